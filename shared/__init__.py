@@ -1,0 +1,1 @@
+"""What more than one eaglet service imports: settings, Redis keys and scripts, file formats."""

@@ -1,0 +1,46 @@
+"""Settings for every eaglet process, read from the environment (prefix ``EAGLET_``) or ``.env``.
+
+Entry points build one ``Settings`` and pass plain values down; nothing below them reads the
+environment.
+"""
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EAGLET_", env_file=".env", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Run state and the job queue. Shared by every host of a run."""
+
+    data_dir: Path = Path("var/data")
+    """The durable data volume: ingested samples, hidden states, drafters."""
+
+    dump_dir: Path = Path("var/dump")
+    """Where the inference server writes one dump per request. Local to a host; tmpfs in production."""
+
+    model: str = "smollm2"
+    """Target model: a Hugging Face model directory, or ``smollm2`` for the bundled SmolLM2-135M-Instruct."""
+
+    model_cache_dir: Path = Path("var/models")
+    """Where the bundled model is converted to safetensors, once."""
+
+    inference_url: str = "http://127.0.0.1:30000"
+    """The inference server this host's workers talk to."""
+
+    request_timeout_s: float = Field(600.0, gt=0)
+    """How long a worker waits for one prefill; a 32K-token prompt on a busy server takes a while."""
+
+    dump_wait_s: float = Field(60.0, gt=0)
+    """How long a worker waits for the dump to appear after the response (SGLang writes it from a thread)."""
+
+    max_attempts: int = Field(4, ge=1)
+    """Tries per sample before it is recorded as failed."""
+
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+
+    api_token: str = ""
+    """Bearer token for the gateway's run-control endpoints. Empty disables them."""

@@ -1,0 +1,34 @@
+"""Every Redis key eaglet uses. One prefix per run; nothing here is ever scanned to count."""
+
+PREFIX = "eaglet"
+RUNS = f"{PREFIX}:runs"  # ZSET run id -> created (unix s)
+WORKERS = f"{PREFIX}:workers"  # HASH worker name -> JSON heartbeat
+INFERENCE = f"{PREFIX}:inference"  # HASH server url -> JSON health, written by the workers that use it
+EVENTS = f"{PREFIX}:events"  # pub/sub channel: JSON {"run", "event", "ts"}
+
+
+def queue_name(run_id: str) -> str:
+    """The RQ queue of one run: its jobs are sample indexes."""
+    return f"{PREFIX}-extract-{run_id}"
+
+
+class RunKeys:
+    """Keys of one run. ``meta`` holds settings, stage and flags; ``counts`` the O(1) counters."""
+
+    def __init__(self, run_id: str):
+        base = f"{PREFIX}:run:{run_id}"
+        self.run_id = run_id
+        self.meta = f"{base}:meta"  # HASH: total, total_tokens, model, hidden_size, stage, extraction_complete...
+        self.counts = f"{base}:counts"  # HASH: done, failed, tokens, bytes, retries, last_done_at
+        self.done = f"{base}:done"  # bitmap by sample index
+        self.failed = f"{base}:failed"  # bitmap by sample index
+        self.failures = f"{base}:failures"  # HASH sample index -> JSON {sample_id, reason, ts, worker}
+        self.errors = f"{base}:errors"  # LIST, newest first, capped: every error, transient ones too
+        self.recent = f"{base}:recent"  # LIST, newest first, capped: "ts tokens bytes" per completion
+        self.inflight = f"{base}:inflight"  # HASH sample index -> JSON {worker, started}
+        self.attempts = f"{base}:attempts"  # HASH sample index -> attempts so far
+        self.train = f"{base}:train"  # HASH: trainer progress
+        self.eval = f"{base}:eval"  # HASH: evaluation results
+
+    def all(self) -> list[str]:
+        return [v for k, v in vars(self).items() if k != "run_id"]

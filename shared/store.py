@@ -1,0 +1,125 @@
+"""The durable data volume. Every path under ``<data>/runs/<run>/`` is made here, so another backend
+(an object store) is one module, not a rewrite.
+
+Layout of a run::
+
+    runs/<run>/samples/            ingested token ids (see shared/samples.py)
+    runs/<run>/hidden/<2 hex>/<sample>.safetensors
+    runs/<run>/drafter/            the trained EAGLE-3 draft model
+    runs/<run>/checkpoints/        trainer state for resume
+
+A sample file holds ``input_ids`` (int32 [T]), ``loss_mask`` (uint8 [T]), ``hidden_states`` [T, H],
+``aux_hidden_states`` [T, 3H] and the dump's metadata. It is written as temp, fsync, rename: a file
+that exists is complete.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
+from shared.ids import check_id, fanout
+
+SAMPLE_TENSORS = ("input_ids", "loss_mask", "hidden_states", "aux_hidden_states")
+
+
+class StoreError(OSError):
+    """A sample file could not be written (disk full, permissions): the sample is retried, never half-stored."""
+
+
+def run_dir(data_dir: Path, run_id: str) -> Path:
+    return Path(data_dir) / "runs" / check_id(run_id, "run id")
+
+
+def samples_dir(data_dir: Path, run_id: str) -> Path:
+    return run_dir(data_dir, run_id) / "samples"
+
+
+def hidden_dir(data_dir: Path, run_id: str) -> Path:
+    return run_dir(data_dir, run_id) / "hidden"
+
+
+def drafter_dir(data_dir: Path, run_id: str) -> Path:
+    return run_dir(data_dir, run_id) / "drafter"
+
+
+def checkpoints_dir(data_dir: Path, run_id: str) -> Path:
+    return run_dir(data_dir, run_id) / "checkpoints"
+
+
+def sample_path(data_dir: Path, run_id: str, sample_id: str) -> Path:
+    check_id(sample_id, "sample id")
+    return hidden_dir(data_dir, run_id) / fanout(sample_id) / f"{sample_id}.safetensors"
+
+
+def write_sample(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Writes one sample file durably (temp, fsync, rename, fsync of the folder); returns its size."""
+    blob = save({k: tensors[k].contiguous() for k in SAMPLE_TENSORS}, metadata=metadata)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as e:
+        raise StoreError(e.errno, f"writing {path}: {e.strerror or e}") from e
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(blob)
+
+
+def sample_header(path: Path) -> tuple[dict[str, list[int]], dict[str, str]] | None:
+    """Shapes and metadata of a stored sample, from its header alone; None if absent or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+            size = f.seek(0, os.SEEK_END)
+    except (OSError, ValueError):
+        return None
+    metadata = header.pop("__metadata__", {}) or {}
+    if any(k not in header for k in SAMPLE_TENSORS):
+        return None
+    end = max(v["data_offsets"][1] for v in header.values())
+    if size != 8 + header_len + end:
+        return None  # truncated or padded: not a file we wrote
+    return {k: v["shape"] for k, v in header.items()}, metadata
+
+
+def sample_is_complete(path: Path, num_tokens: int) -> bool:
+    """True if a verified sample file of ``num_tokens`` tokens is already stored: it is not extracted again."""
+    found = sample_header(path)
+    if found is None:
+        return False
+    shapes, _ = found
+    return all(shapes[k][0] == num_tokens for k in SAMPLE_TENSORS)
+
+
+def open_sample(path: Path) -> dict[str, torch.Tensor]:
+    """Reads one stored sample (memory-mapped by safetensors)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise StoreError(f"reading {path}: {e}") from e
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    found = sample_header(path)
+    if found is None:
+        raise StoreError(f"{path}: missing or incomplete sample file")
+    return found[1]
