@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
-# Makes sure a Redis answers on 127.0.0.1:6379 (or $EAGLET_REDIS_PORT): installs Debian's redis-server
-# if it is missing and starts one if none answers. The tests start their own, on other ports.
+# Makes sure a Redis answers on 127.0.0.1:6379 (or $EAGLET_REDIS_PORT): installs the system packages
+# if missing and starts one if none answers. The tests start their own, on other ports.
 set -euo pipefail
 port=${EAGLET_REDIS_PORT:-6379}
-if ! command -v redis-server >/dev/null; then
-  echo "redis-server not found: installing Debian's package"
-  sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
-  $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq redis-server >/dev/null
-fi
+bash "$(dirname "$0")/install-system.sh"
 if redis-cli -p "$port" ping 2>/dev/null | grep -q PONG; then
   exit 0
 fi

@@ -32,8 +32,10 @@ def beat(
     run: str = "",
     sample: str = "",
     detail: str = "",
+    disk_free: int | None = None,
+    disk_total: int | None = None,
 ) -> None:
-    """Records one worker's state now. ``detail`` says why it is in backoff."""
+    """Records one worker's state now. ``detail`` says why it is in backoff; disk figures are of the data volume."""
     record = {
         "worker": worker,
         "state": state,
@@ -43,6 +45,8 @@ def beat(
         "run": run,
         "sample": sample,
         "detail": detail,
+        "disk_free": disk_free,
+        "disk_total": disk_total,
         "ts": time.time(),
     }
     redis.hset(keys.WORKERS, worker, json.dumps(record))

@@ -5,6 +5,7 @@ RUNS = f"{PREFIX}:runs"  # ZSET run id -> created (unix s)
 WORKERS = f"{PREFIX}:workers"  # HASH worker name -> JSON heartbeat
 INFERENCE = f"{PREFIX}:inference"  # HASH server url -> JSON health, written by the workers that use it
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: JSON {"run", "event", "ts"}
+CONTROL_QUEUE = f"{PREFIX}-control"  # RQ queue of run-level jobs (ingest a dataset); workers listen to it too
 
 
 def queue_name(run_id: str) -> str:
