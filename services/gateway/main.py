@@ -1,0 +1,59 @@
+"""The gateway: wires settings, Redis and the routers. ``uvicorn services.gateway.main:app`` or
+``python -m services.gateway.main``; settings come from ``EAGLET_*``. Stateless: run as many as you like."""
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from redis import Redis
+
+from services.gateway.collector import StatusCollector
+from services.gateway.routers import metrics, page, runs, status
+from services.gateway.settings import GatewaySettings
+from shared.status import disk_usage
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+    redis = Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        redis.close()
+
+    app = FastAPI(
+        title="eaglet gateway",
+        summary="Status and control of eaglet runs: extraction, storage, training, alerts.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.redis = redis
+    app.state.status_config = settings.status_config()
+    app.state.metrics = CollectorRegistry(auto_describe=False)
+    app.state.metrics.register(
+        StatusCollector(redis, app.state.status_config, settings.status_max_runs, lambda: disk_usage(settings.data_dir))
+    )
+    for module in (page, status, runs, metrics):
+        app.include_router(module.router)
+    return app
+
+
+app = create_app()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = GatewaySettings()
+    log.info("gateway: listening on %s:%d", settings.host, settings.port)  # the Redis URL may hold a password
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()
