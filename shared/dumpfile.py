@@ -69,6 +69,7 @@ def write_dump(
     }
     try:
         save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o644)  # the reader may be another user (the extractor's container)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)

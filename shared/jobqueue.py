@@ -1,19 +1,27 @@
 """The extraction queue: one RQ job per sample index, one queue per run.
 
 Jobs are named by import path, so this module (and the gateway that calls it) never imports the
-extractor. Job ids are ``<run>:<index>``: enqueuing a sample twice replaces, never duplicates, its job.
+extractor. A sample's job id is fixed by run and index: enqueuing it twice replaces, never duplicates, it.
 """
+
+import hashlib
 
 from collections.abc import Iterable
 
 from redis import Redis
-from rq import Queue
+from rq import Callback, Queue
 
 from shared.keys import CONTROL_QUEUE, RunKeys, queue_name
 
 EXTRACT_JOB = "services.extractor.jobs.extract_sample"
+EXTRACT_FAILED = "services.extractor.jobs.on_extract_failure"  # records a crashed job's sample as failed
 INGEST_JOB = "services.ingest.jobs.ingest_run"
 BATCH = 1000
+
+
+def job_id(run_id: str, what: str | int) -> str:
+    """RQ allows only [A-Za-z0-9_-] in job ids; run ids may hold '.', so they are hashed."""
+    return f"{hashlib.sha1(run_id.encode()).hexdigest()[:16]}-{what}"
 
 
 def run_queue(redis: Redis, run_id: str) -> Queue:
@@ -33,10 +41,11 @@ def enqueue_samples(redis: Redis, run_id: str, indexes: Iterable[int], *, job_ti
             Queue.prepare_data(
                 EXTRACT_JOB,
                 args=(run_id, int(index)),
-                job_id=f"{run_id}:{index}",
+                job_id=job_id(run_id, index),
                 timeout=job_timeout,
                 result_ttl=0,
                 failure_ttl=7 * 86400,
+                on_failure=Callback(EXTRACT_FAILED),
             )
         )
         if len(batch) == BATCH:
@@ -50,7 +59,7 @@ def enqueue_samples(redis: Redis, run_id: str, indexes: Iterable[int], *, job_ti
 def enqueue_ingest(redis: Redis, run_id: str, dataset: str, options: dict) -> str:
     """Queues ingestion of a dataset as a new run; a worker ingests it, then queues its samples."""
     job = control_queue(redis).enqueue(
-        INGEST_JOB, run_id, dataset, options, job_id=f"ingest:{run_id}", job_timeout=24 * 3600, result_ttl=86400
+        INGEST_JOB, run_id, dataset, options, job_id=job_id(run_id, "ingest"), job_timeout=24 * 3600, result_ttl=86400
     )
     return job.id
 

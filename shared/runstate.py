@@ -80,6 +80,17 @@ return complete_if_last(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[5])
 """
 )
 
+# KEYS: meta counts; ARGV: total total_tokens now channel run_id
+# Ingest queues samples as it reads them, so some may be done before the total is known: check here too.
+SET_TOTAL = (
+    _COMPLETE
+    + """
+redis.call('HSET', KEYS[1], 'total', ARGV[1], 'total_tokens', ARGV[2], 'ingested_at', ARGV[3])
+if redis.call('HGET', KEYS[1], 'stage') == 'ingesting' then redis.call('HSET', KEYS[1], 'stage', 'extracting') end
+return complete_if_last(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[5])
+"""
+)
+
 
 class RunState:
     """Writes of one run's state. Takes its Redis connection; never reaches for a global one."""
@@ -90,6 +101,7 @@ class RunState:
         self.keys = RunKeys(run_id)
         self._mark_done = redis.register_script(MARK_DONE)
         self._mark_failed = redis.register_script(MARK_FAILED)
+        self._set_total = redis.register_script(SET_TOTAL)
 
     def create(self, **meta: str | int | float) -> None:
         """Registers the run (stage ``ingesting``); ``total`` is set by ``set_total`` once ingest is done."""
@@ -112,9 +124,16 @@ class RunState:
     def set_meta(self, **fields: str | int | float) -> None:
         self.redis.hset(self.keys.meta, mapping=fields)
 
-    def set_total(self, total: int, total_tokens: int) -> None:
-        """Ingest is over: extraction can start and be counted against ``total``."""
-        self.set_meta(total=total, total_tokens=total_tokens, stage=Stage.extracting, extraction_started_at=time.time())
+    def start_extraction(self) -> None:
+        """The first samples are queued; ingest goes on, so the total is not known yet."""
+        self.set_meta(stage=Stage.extracting, extraction_started_at=time.time())
+
+    def set_total(self, total: int, total_tokens: int) -> int:
+        """Ingest is over: the run is counted against ``total``. Returns 2 if that completed it."""
+        k = self.keys
+        return int(
+            self._set_total(keys=[k.meta, k.counts], args=[total, total_tokens, time.time(), keys.EVENTS, self.run_id])
+        )
 
     def set_stage(self, stage: Stage) -> None:
         self.set_meta(stage=stage)

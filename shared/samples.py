@@ -1,16 +1,18 @@
 """Ingested samples: token ids and loss masks, opened in O(1) per sample without loading the dataset.
 
-``<run>/samples/`` holds three flat arrays and an index, all memory-mapped by readers:
+``<run>/samples/`` holds three append-only flat files, memory-mapped by readers:
 
     input_ids.bin   int32, every sample's tokens back to back
     loss_mask.bin   uint8, 1 where the token belongs to an assistant turn
-    index.npy       one row per sample: offset, length, loss tokens, id
-    manifest.json   counts, the tokenizer, the source file
+    index.bin       one fixed-size row per sample: offset, length, loss tokens, id
+    manifest.json   counts, the tokenizer, the source file (written when ingest ends)
 
-The sample's index (its row) is its place in the run's done/failed bitmaps.
+Ingest appends and flushes before it queues a sample, so a worker may read a sample while the rest
+of the dataset is still being ingested. The sample's index (its row) is its place in the run's bitmaps.
 """
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,37 +33,39 @@ class Sample:
 
 
 class SampleWriter:
-    """Appends samples as they are ingested; ``close`` writes the index and the manifest."""
+    """Appends samples as they are ingested; ``flush`` makes them visible, ``close`` writes the manifest."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._ids = open(self.folder / "input_ids.bin", "wb")
-        self._mask = open(self.folder / "loss_mask.bin", "wb")
-        self._rows: list[tuple[int, int, int, bytes]] = []
-        self._offset = 0
+        self._files = [open(self.folder / name, "wb") for name in ("input_ids.bin", "loss_mask.bin", "index.bin")]
+        self.samples = 0
         self.tokens = 0
 
     def append(self, sample_id: str, input_ids: list[int], loss_mask: list[int]) -> int:
         check_id(sample_id, "sample id")
         ids = np.asarray(input_ids, dtype=np.int32)
         mask = np.asarray(loss_mask, dtype=np.uint8)
-        assert ids.shape == mask.shape, "input_ids and loss_mask differ in length"
-        self._ids.write(ids.tobytes())
-        self._mask.write(mask.tobytes())
-        self._rows.append((self._offset, len(ids), int(mask.sum()), sample_id.encode()))
-        self._offset += len(ids)
+        if ids.shape != mask.shape:
+            raise ValueError(f"sample {sample_id}: input_ids and loss_mask differ in length")
+        row = np.array([(self.tokens, len(ids), int(mask.sum()), sample_id.encode())], dtype=INDEX_DTYPE)
+        for f, data in zip(self._files, (ids, mask, row), strict=True):
+            f.write(data.tobytes())
         self.tokens += len(ids)
-        return len(self._rows) - 1
+        self.samples += 1
+        return self.samples - 1
 
-    def __len__(self) -> int:
-        return len(self._rows)
+    def flush(self) -> None:
+        """Makes every appended sample readable by other processes (and hosts, on a shared volume)."""
+        for f in self._files:
+            f.flush()
+            os.fsync(f.fileno())
 
     def close(self, manifest: dict) -> None:
-        self._ids.close()
-        self._mask.close()
-        np.save(self.folder / "index.npy", np.array(self._rows, dtype=INDEX_DTYPE))
-        manifest = {**manifest, "num_samples": len(self._rows), "num_tokens": self.tokens}
+        self.flush()
+        for f in self._files:
+            f.close()
+        manifest = {**manifest, "num_samples": self.samples, "num_tokens": self.tokens}
         (self.folder / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
@@ -70,16 +74,29 @@ class SampleSet:
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        self.index = np.load(self.folder / "index.npy", mmap_mode="r")
-        self.manifest = json.loads((self.folder / "manifest.json").read_text())
-        n = int(self.manifest["num_tokens"])
-        self._ids = np.memmap(self.folder / "input_ids.bin", dtype=np.int32, mode="r", shape=(n,)) if n else None
-        self._mask = np.memmap(self.folder / "loss_mask.bin", dtype=np.uint8, mode="r", shape=(n,)) if n else None
+        self._map()
+
+    def _map(self) -> None:
+        # Maps what is on disk now; a reader asked for a sample appended later maps again.
+        rows = os.path.getsize(self.folder / "index.bin") // INDEX_DTYPE.itemsize
+        self.index = np.memmap(self.folder / "index.bin", dtype=INDEX_DTYPE, mode="r", shape=(rows,)) if rows else []
+        tokens = int(self.index[-1]["offset"] + self.index[-1]["length"]) if rows else 0
+        self._ids = (
+            np.memmap(self.folder / "input_ids.bin", dtype=np.int32, mode="r", shape=(tokens,)) if tokens else None
+        )
+        self._mask = (
+            np.memmap(self.folder / "loss_mask.bin", dtype=np.uint8, mode="r", shape=(tokens,)) if tokens else None
+        )
 
     def __len__(self) -> int:
         return len(self.index)
 
+    def manifest(self) -> dict:
+        return json.loads((self.folder / "manifest.json").read_text())
+
     def __getitem__(self, i: int) -> Sample:
+        if i >= len(self.index):
+            self._map()
         if not 0 <= i < len(self.index):
             raise IndexError(f"sample index {i} out of range 0..{len(self.index) - 1} in {self.folder}")
         row = self.index[i]

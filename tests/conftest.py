@@ -84,3 +84,22 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+class Server:
+    def __init__(self, stack, url: str, dump_dir: Path, model_dir: Path):
+        self.stack, self.url, self.dump_dir, self.model_dir = stack, url, dump_dir, model_dir
+
+
+@pytest.fixture(scope="session")
+def reference_server(tmp_path_factory, tiny_model_dir):
+    """The real reference inference server on the tiny Llama, over real HTTP, in its own process."""
+    from cli.stack import LocalStack
+
+    folder = tmp_path_factory.mktemp("reference-server")
+    port = free_port()
+    env = {"EAGLET_DUMP_DIR": str(folder / "dump"), "EAGLET_MODEL": str(tiny_model_dir)}
+    with LocalStack(folder / "logs", env=env) as stack:
+        stack.start("inference", "services.inference.main", "--port", str(port))
+        stack.wait_http("inference", f"http://127.0.0.1:{port}/health", timeout=120)
+        yield Server(stack, f"http://127.0.0.1:{port}", folder / "dump", tiny_model_dir)

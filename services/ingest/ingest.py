@@ -1,0 +1,108 @@
+"""Streams a JSONL dataset into a run's sample arrays, one line at a time.
+
+A bad line is reported (file, line number, reason) and skipped; the rest goes on. Samples are handed
+to ``on_sample`` as they are stored, so extraction can start before the file has been read to the end.
+"""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from transformers import PreTrainedTokenizerBase
+
+from services.ingest.chat import tokenize_conversation
+from services.ingest.records import BadLine, Conversation, parse_line
+from shared.samples import SampleWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class IngestOptions:
+    max_tokens: int = 4096
+    """Longest sample kept; longer ones are truncated or rejected (``overlong``)."""
+    overlong: Literal["truncate", "reject"] = "reject"
+    limit: int | None = None
+    """Stop after this many samples (for trials)."""
+
+    def __post_init__(self):
+        if self.max_tokens < 2:
+            raise ValueError(f"max_tokens={self.max_tokens}: must be at least 2")
+        if self.overlong not in ("truncate", "reject"):
+            raise ValueError(f"overlong={self.overlong!r}: use 'truncate' or 'reject'")
+
+
+@dataclass
+class IngestResult:
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated: int = 0
+    bad_lines: int = 0
+    errors: list[str] = field(default_factory=list)  # the first few, for the console
+
+
+def ingest_dataset(
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    writer: SampleWriter,
+    options: IngestOptions,
+    *,
+    vocab_size: int,
+    on_error: Callable[[str, str], None],
+    on_sample: Callable[[int], None],
+) -> IngestResult:
+    """Reads ``path`` line by line; ``on_error(sample_id, message)``, ``on_sample(index)`` as they happen."""
+    result = IngestResult()
+    first_line_of: dict[str, int] = {}
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            if options.limit is not None and result.samples >= options.limit:
+                break
+            sample_id = ""
+            try:
+                record = parse_line(raw)
+                sample_id = record.sample_id
+                if sample_id in first_line_of:
+                    raise BadLine(f"duplicate id {sample_id!r} (first at line {first_line_of[sample_id]})")
+                ids, mask = _tokens(record, tokenizer)
+                if max(ids) >= vocab_size:
+                    raise BadLine(f"token id {max(ids)} outside the model's vocabulary of {vocab_size}")
+                ids, mask, truncated = _fit(ids, mask, options)
+            except BadLine as e:
+                message = f"{path.name}:{line_no}: {e}"
+                result.bad_lines += 1
+                if len(result.errors) < 20:
+                    result.errors.append(message)
+                log.warning("ingest %s", message)
+                on_error(sample_id, message)
+                continue
+            first_line_of[sample_id] = line_no
+            index = writer.append(sample_id, ids, mask)
+            result.samples += 1
+            result.tokens += len(ids)
+            result.loss_tokens += sum(mask)
+            result.truncated += truncated
+            on_sample(index)
+    return result
+
+
+def _tokens(record, tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    if isinstance(record, Conversation):
+        return tokenize_conversation(tokenizer, record.messages)
+    return record.input_ids, record.loss_mask
+
+
+def _fit(ids: list[int], mask: list[int], options: IngestOptions) -> tuple[list[int], list[int], bool]:
+    if len(ids) <= options.max_tokens:
+        return ids, mask, False
+    if options.overlong == "reject":
+        raise BadLine(f"{len(ids)} tokens exceeds max_tokens={options.max_tokens} (overlong=reject)")
+    ids, mask = ids[: options.max_tokens], mask[: options.max_tokens]
+    if not any(mask):
+        raise BadLine(f"no assistant token left after truncation to {options.max_tokens} tokens")
+    return ids, mask, True

@@ -1,0 +1,88 @@
+"""The reference server over real HTTP: its dumps are the model's own states, each rid its own rows."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from shared.dumpfile import dump_path, read_dump, validate_dump
+from shared.target import eagle3_layer_ids
+
+
+def direct_states(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the dump must hold, from a plain transformers forward of one prompt."""
+    with torch.inference_mode():
+        out = model.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    layers = eagle3_layer_ids(model.config.num_hidden_layers)
+    return out.last_hidden_state[0], torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+
+
+def prefill(url: str, ids: list[int], rid: str) -> httpx.Response:
+    body = {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    return httpx.post(f"{url}/generate", json=body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(reference_server):
+    return AutoModelForCausalLM.from_pretrained(reference_server.model_dir, dtype=torch.float32).eval()
+
+
+def test_dump_equals_a_direct_forward(reference_server, tiny_model):
+    ids = list(range(100, 137))
+    response = prefill(reference_server.url, ids, "eaglet:t:one:1")
+    assert response.status_code == 200 and response.json()["meta_info"]["prompt_tokens"] == len(ids)
+    dump = read_dump(dump_path(reference_server.dump_dir, "eaglet:t:one:1"))
+    validate_dump(dump, rid="eaglet:t:one:1", num_tokens=len(ids), hidden_size=tiny_model.config.hidden_size)
+    final, aux = direct_states(tiny_model, ids)
+    torch.testing.assert_close(dump.hidden_states, final, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dump.aux_hidden_states, aux, atol=1e-5, rtol=1e-4)
+    assert dump.aux_layer_ids == eagle3_layer_ids(tiny_model.config.num_hidden_layers)
+    with torch.inference_mode():
+        expected_next = int(tiny_model.lm_head(final[-1]).argmax())
+    assert response.json()["output_ids"] == [expected_next]
+
+
+def test_concurrent_requests_each_get_their_own_rows(reference_server, tiny_model):
+    prompts = {f"eaglet:t:c{i}:1": [(7 * i + j) % 900 + 10 for j in range(5 + 9 * i)] for i in range(16)}
+    with ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(lambda item: prefill(reference_server.url, item[1], item[0]), prompts.items()))
+    assert all(r.status_code == 200 for r in responses)
+    for rid, ids in prompts.items():
+        dump = read_dump(dump_path(reference_server.dump_dir, rid))
+        final, aux = direct_states(tiny_model, ids)
+        assert dump.hidden_states.shape[0] == len(ids)
+        torch.testing.assert_close(dump.hidden_states, final, atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(dump.aux_hidden_states, aux, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("rid", ["../../escape", "a/b", "eaglet:x/../y:1", "x\x00y"])
+def test_unsafe_rids_are_refused(reference_server, rid):
+    response = prefill(reference_server.url, [1, 2, 3], rid)
+    assert response.status_code == 400 and "safe file name" in response.text
+    assert not any("escape" in p.name for p in reference_server.dump_dir.parent.rglob("*"))
+
+
+def test_requests_without_eaglet_rid_write_no_dump(reference_server):
+    before = set(reference_server.dump_dir.iterdir())
+    assert prefill(reference_server.url, [5, 6, 7], "warmup-1").status_code == 200
+    assert set(reference_server.dump_dir.iterdir()) == before
+
+
+def test_generation_equals_greedy_decoding(reference_server, tiny_model):
+    ids = list(range(300, 320))
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    out = httpx.post(f"{reference_server.url}/generate", json=body, timeout=120).json()
+    expected = tiny_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    eos = tiny_model.config.eos_token_id
+    if eos in expected:
+        expected = expected[: expected.index(eos) + 1]
+    assert out["output_ids"] == expected and out["meta_info"]["completion_tokens"] == len(expected)
+
+
+def test_bad_prompts_are_refused_with_a_reason(reference_server):
+    url = f"{reference_server.url}/generate"
+    assert "vocabulary" in httpx.post(url, json={"input_ids": [10**9]}).text
+    assert "exactly one" in httpx.post(url, json={}).text
+    assert "context" in httpx.post(url, json={"input_ids": [1] * 3000, "sampling_params": {"max_new_tokens": 1}}).text
