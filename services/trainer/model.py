@@ -1,0 +1,298 @@
+"""The EAGLE-3 drafter, as SGLang's ``LlamaForCausalLMEagle3`` and vLLM's ``Eagle3LlamaForCausalLM`` run it.
+
+Pure math: no loading, no devices, no parallelism. One step of the drafter::
+
+    x   = fc(concat(aux states))        on the first step; the previous step's output after that   [B, T, H]
+    h   = concat(input_layernorm(embed(token)), hidden_norm(x))                                    [B, T, 2H]
+    r   = x + o_proj(attn(h))
+    out = r + mlp(post_attention_layernorm(r))          fed to the next step (pre-norm, as SGLang does)
+    logits = lm_head(norm(out))                         over the draft vocabulary                   [B, T, Vd]
+
+Parameter names are the checkpoint's names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``), so the state dict
+is written as it is. The token embedding is the target's, frozen, and is not a parameter.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(kw_only=True, slots=True)
+class DrafterConfig:
+    hidden_size: int
+    """H: the drafter's width, the target's hidden size (SGLang uses the target's embedding as is)."""
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0
+    """0: hidden_size // num_attention_heads."""
+    vocab_size: int
+    """The target's vocabulary."""
+    draft_vocab_size: int
+    target_hidden_size: int = 0
+    """0: hidden_size."""
+    num_aux_hidden_states: int = 3
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.target_hidden_size == 0:
+            self.target_hidden_size = self.hidden_size
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DrafterConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"DrafterConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"DrafterConfig.draft_vocab_size must be in 1..vocab_size ({self.vocab_size}), "
+                f"got {self.draft_vocab_size}"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics, as the Llama reference: bf16 variance loses the small hidden states
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Default (unscaled) RoPE frequencies [head_dim / 2]; scaled variants are computed by the caller."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    # x: [B, h, T, d], positions: [B, T]; rotate_half layout, as Hugging Face and SGLang's neox style
+    angles = positions[:, None, :, None].float() * inv_freq  # [B, 1, T, d/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class KVCache:
+    """Keys and values of past steps for incremental drafting (inference): [1, kv_heads, S, d], after RoPE."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+def ttt_attention_math(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """Attention of training-time-test step k = len(ks) - 1, with its scores materialized.
+
+    q: [B, h, T, d]; ks[j], vs[j]: [B, h, T, d] of step j. The query at (k, t) sees step 0's keys at
+    positions <= t (the target's own context) and, of every later step j <= k, only position t: the
+    chain the drafter itself extended from t. Memory O(T^2) per step: for short samples and for tests;
+    ``ttt_attention_flex`` is the long-sample path.
+    """
+    T = q.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s0 = (q @ ks[0].transpose(-1, -2)) * scale  # [B, h, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s0 = s0.masked_fill(~causal, float("-inf"))
+    diag = [(q * k).sum(-1, keepdim=True) * scale for k in ks[1:]]  # each [B, h, T, 1]
+    p = torch.softmax(torch.cat([s0, *diag], -1).float(), -1).to(q.dtype)
+    out = p[..., :T] @ vs[0]
+    for j, v in enumerate(vs[1:], start=1):
+        out = out + p[..., T + j - 1 : T + j] * v
+    return out
+
+
+_flex_masks: dict[tuple, object] = {}
+
+
+def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """The same attention through FlexAttention: a block-sparse mask over the steps' keys laid end to end,
+    so memory stays O(T * steps) however long the sample (compiled on GPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, _, T, _ = q.shape
+    steps = len(ks)
+    key = (T, steps, q.device)
+    if key not in _flex_masks:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            j, s = kv_idx // T, kv_idx % T
+            return ((j == 0) & (s <= q_idx)) | ((j > 0) & (s == q_idx))
+
+        _flex_masks[key] = create_block_mask(mask_mod, None, None, T, T * steps, device=q.device)
+    return _flex_attention()(q, torch.cat(ks, 2), torch.cat(vs, 2), block_mask=_flex_masks[key])
+
+
+_compiled_flex = None
+
+
+def _flex_attention():
+    global _compiled_flex  # compiled once per process: compiling per call would recompile every step
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+    return _compiled_flex
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # q/k/v read [embedding ; hidden]: 2H inputs
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, h, T, d]
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, kv, T, d]
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(self.n_heads // self.n_kv, dim=1)  # [B, kv, S, d] -> [B, h, S, d]
+
+    def out(self, y: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The one decoder layer. Named ``midlayer`` in the checkpoint; SGLang and vLLM map it to ``layers.0``."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [B, T, 2H]
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        r = hidden + attn_out
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, embed_tokens: torch.Tensor, inv_freq: torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(cfg.num_aux_hidden_states * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # Frozen target embedding [V, H] and the vocabulary maps: buffers, so DDP leaves them alone
+        self.register_buffer("embed_tokens", embed_tokens, persistent=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # target_id - draft_id
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
+        if inv_freq is None:
+            inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def set_vocab(self, draft_ids: torch.Tensor) -> None:
+        """draft_ids [Vd]: the target ids of the draft vocabulary, in draft-id order."""
+        self.d2t.copy_(draft_ids - torch.arange(len(draft_ids), device=draft_ids.device))
+        self.t2d.zero_()
+        self.t2d[draft_ids] = True
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def step(self, embeds_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """One drafter pass. ``attend(q, k, v) -> [B, h, T, d]`` owns the cache: training's steps or decoding's.
+        Returns the pre-norm output [B, T, H] (the next step's ``hidden``)."""
+        layer = self.midlayer
+        x = layer.attn_input(F.embedding(embeds_ids, self.embed_tokens).to(hidden.dtype), hidden)
+        q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
+        y = attend(q, layer.self_attn.expand_kv(k), layer.self_attn.expand_kv(v))
+        return layer.finish(hidden, layer.self_attn.out(y))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out))
+
+    def forward_ttt(
+        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, attn_impl: str = "math"
+    ) -> list[torch.Tensor]:
+        """Training-time test: ``steps`` unrolled passes on the drafter's own outputs.
+
+        input_ids: [B, T] target ids; aux: [B, T, 3H]. Step i at position t reads token ``input_ids[t + 1 + i]``
+        (shifted in here, zero past the end) and predicts token t + 2 + i. Returns each step's pre-norm
+        output [B, T, H]; the caller applies ``logits`` only where the loss needs them.
+        """
+        B, T = input_ids.shape
+        attention = ttt_attention_flex if attn_impl == "flex" else ttt_attention_math
+        base = torch.arange(T, device=input_ids.device).expand(B, T)
+        hidden = self.fc(aux)
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+
+        def attend(q, k, v):
+            ks.append(k)
+            vs.append(v)
+            return attention(q, ks, vs)
+
+        outs = []
+        for i in range(steps):
+            ids = F.pad(input_ids[:, 1 + i :], (0, 1 + i))  # [B, T]
+            hidden = self.step(ids, hidden, base + i, attend)
+            outs.append(hidden)
+        return outs
+
+    def decode(self, token_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        """Incremental pass for speculative decoding (batch 1): token_ids [1, n] at positions start..start+n-1,
+        hidden [1, n, H] (already projected by ``fc`` for target features). Causal over the cache."""
+        positions = torch.arange(start, start + token_ids.shape[1], device=token_ids.device)[None]
+        n = token_ids.shape[1]
+
+        def attend(q, k, v):
+            kk, vv = cache.append(k, v)
+            S = kk.shape[2]
+            mask = torch.ones(n, S, dtype=torch.bool, device=q.device).tril(S - n)
+            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+
+        return self.step(token_ids, hidden, positions, attend)

@@ -1,0 +1,56 @@
+"""Builds a run as the extraction pipeline leaves it: ingested samples, stored hidden states of a tiny Llama, the
+run meta and the done bitmap in Redis."""
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from shared.runstate import RunState
+from shared.samples import SampleWriter
+from shared.store import sample_path, samples_dir, write_sample
+from shared.target import eagle3_layer_ids
+
+
+def token_sequences(n: int, length: int, seed: int = 0, vocab: tuple[int, int] = (200, 260)) -> list[list[int]]:
+    """Patterned sequences (arithmetic runs over a small id range): something a drafter can learn in seconds."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = vocab
+    out = []
+    for _ in range(n):
+        start, stride = int(torch.randint(lo, hi, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        out.append([lo + (start - lo + stride * i) % (hi - lo) for i in range(length - (len(out) % 3))])
+    return out
+
+
+@torch.no_grad()
+def make_run(
+    redis, data_dir: Path, model_dir: Path, run_id: str, *, n: int = 24, length: int = 40, complete: bool = True
+) -> list[int]:
+    """Writes ``n`` samples and the run state; marks all done (``complete``) or all but the last. Returns layer ids."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers = model.config.num_hidden_layers
+    layer_ids = eagle3_layer_ids(layers)
+    state = RunState(redis, run_id)
+    state.create(model_dir=str(model_dir), hidden_size=model.config.hidden_size, num_layers=layers,
+                 aux_layer_ids=json.dumps(layer_ids), dtype="float32")  # fmt: skip
+    writer = SampleWriter(samples_dir(data_dir, run_id))
+    seqs = token_sequences(n, length)
+    for i, ids in enumerate(seqs):
+        mask = [0] * (len(ids) // 3) + [1] * (len(ids) - len(ids) // 3)
+        writer.append(f"s{i:04d}", ids, mask)
+        out = model.model(torch.tensor([ids]), output_hidden_states=True)
+        tensors = {
+            "input_ids": torch.tensor(ids, dtype=torch.int32),
+            "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+            "hidden_states": out.last_hidden_state[0],  # after the final norm
+            "aux_hidden_states": torch.cat([out.hidden_states[j][0] for j in layer_ids], -1),
+        }
+        write_sample(sample_path(data_dir, run_id, f"s{i:04d}"), tensors, {"aux_layer_ids": json.dumps(layer_ids)})
+    writer.close({"model": str(model_dir)})
+    state.set_total(n, sum(len(s) for s in seqs))
+    for i, ids in enumerate(seqs):
+        if complete or i < n - 1:
+            state.mark_done(i, len(ids), 0)
+    return layer_ids
