@@ -434,7 +434,7 @@ def _alerts(run: RunStatus, recent: list[str], cluster: Cluster, config: StatusC
         )
         if now - since > limit:
             alerts.append(
-                Alert(kind="stalled", message=f"no sample completed for {now - since:.0f} s (limit {limit:.0f} s)")
+                Alert(kind="stalled", message=f"no sample completed for {now - since:.1f} s (limit {limit:.1f} s)")
             )
     if run.stage in ACTIVE:
         lost = [w.name for w in cluster.workers if w.lost and w.run in ("", run.run_id)]

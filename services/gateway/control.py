@@ -1,7 +1,9 @@
-"""Run control: start, cancel and retry runs. Takes its Redis connection and plain values, never settings.
+"""Run control: start, cancel and retry runs. Takes its Redis connections and plain values, never settings.
 
-The run's record itself (meta, counters) is written by ingest when it starts; here the id is only claimed
-in the run list, atomically, so two gateway replicas never queue the same run twice.
+RQ pickles its jobs, so it gets a connection of its own that leaves replies as bytes (``queue_redis``);
+run state is read and written as text. The run's record itself (meta, counters) is written by ingest
+when it starts; here the id is only claimed in the run list, atomically, so two gateway replicas never
+queue the same run twice.
 """
 
 import logging
@@ -96,11 +98,11 @@ def resolve_dataset(dataset: str, roots: list[Path]) -> Path:
     return real
 
 
-def start_run(redis: Redis, *, run_id: str, dataset: Path, options: RunOptions) -> RunStarted:
+def start_run(redis: Redis, queue_redis: Redis, *, run_id: str, dataset: Path, options: RunOptions) -> RunStarted:
     """Claims ``run_id`` and queues the ingest of ``dataset``; ingest creates the run's record."""
     if RunState(redis, run_id).exists() or not redis.zadd(keys.RUNS, {run_id: time.time()}, nx=True):
         raise RunExists(f"run {run_id!r} exists already; pick another id")
-    job_id = jobqueue.enqueue_ingest(redis, run_id, str(dataset), options.model_dump(exclude_none=True))
+    job_id = jobqueue.enqueue_ingest(queue_redis, run_id, str(dataset), options.model_dump(exclude_none=True))
     log.info("run %s: ingest of %s queued as %s", run_id, dataset, job_id)
     return RunStarted(run_id=run_id, dataset=str(dataset), job_id=job_id)
 
@@ -112,19 +114,19 @@ def _existing(redis: Redis, run_id: str) -> RunState:
     return state
 
 
-def cancel_run(redis: Redis, run_id: str) -> RunCancelled:
+def cancel_run(redis: Redis, queue_redis: Redis, run_id: str) -> RunCancelled:
     """Marks the run cancelled (workers see it and stop) and drops its queued jobs."""
     state = _existing(redis, run_id)
     stage = state.stage()
     if stage in FINISHED:
         raise WrongStage(f"run {run_id!r} is {stage} already: nothing to cancel")
     state.set_stage(Stage.cancelled)
-    dropped = jobqueue.cancel(redis, run_id)
+    dropped = jobqueue.cancel(queue_redis, run_id)
     log.info("run %s: cancelled at stage %s, %d queued jobs dropped", run_id, stage, dropped)
     return RunCancelled(run_id=run_id, stage=Stage.cancelled, dropped_jobs=dropped)
 
 
-def retry_failed(redis: Redis, run_id: str) -> RetryQueued:
+def retry_failed(redis: Redis, queue_redis: Redis, run_id: str) -> RetryQueued:
     """Queues the failed samples again, each with a fresh count of attempts."""
     state = _existing(redis, run_id)
     stage = state.stage()
@@ -134,6 +136,6 @@ def retry_failed(redis: Redis, run_id: str) -> RetryQueued:
     # Without this a sample that used up its attempts would fail again at once, without a try.
     for start in range(0, len(indexes), jobqueue.BATCH):
         redis.hdel(RunKeys(run_id).attempts, *[str(i) for i in indexes[start : start + jobqueue.BATCH]])
-    queued = jobqueue.enqueue_samples(redis, run_id, indexes)
+    queued = jobqueue.enqueue_samples(queue_redis, run_id, indexes)
     log.info("run %s: %d failed samples queued again", run_id, queued)
     return RetryQueued(run_id=run_id, queued=queued)

@@ -23,12 +23,18 @@ def get_redis(request: Request) -> Redis:
     return request.app.state.redis
 
 
+def get_queue_redis(request: Request) -> Redis:
+    """RQ's connection: replies stay bytes, as RQ's pickled jobs need."""
+    return request.app.state.queue_redis
+
+
 def get_status_config(request: Request) -> StatusConfig:
     return request.app.state.status_config
 
 
 SettingsDep = Annotated[GatewaySettings, Depends(get_settings)]
 RedisDep = Annotated[Redis, Depends(get_redis)]
+QueueRedisDep = Annotated[Redis, Depends(get_queue_redis)]
 StatusConfigDep = Annotated[StatusConfig, Depends(get_status_config)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 

@@ -21,11 +21,13 @@ log = logging.getLogger(__name__)
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
     redis = Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
+    queue_redis = Redis.from_url(settings.redis_url, health_check_interval=30)  # RQ's jobs are pickled bytes
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         redis.close()
+        queue_redis.close()
 
     app = FastAPI(
         title="eaglet gateway",
@@ -35,6 +37,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.redis = redis
+    app.state.queue_redis = queue_redis
     app.state.status_config = settings.status_config()
     app.state.metrics = CollectorRegistry(auto_describe=False)
     app.state.metrics.register(

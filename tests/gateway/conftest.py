@@ -186,13 +186,26 @@ class FakeRun:
 
 
 @pytest.fixture
-def gateway(redis, redis_server, tmp_path):
-    datasets = tmp_path / "datasets"
-    datasets.mkdir()
-    settings = gateway_settings(redis_server.url, datasets)
-    url, stop = serve(settings)
-    yield Gateway(url=url, settings=settings, datasets=datasets)
-    stop()
+def start_gateway(redis, redis_server, tmp_path):
+    """Starts gateways with settings overridden; stops them at the end."""
+    stops = []
+
+    def start(**overrides) -> Gateway:
+        datasets = tmp_path / "datasets"
+        datasets.mkdir(exist_ok=True)
+        settings = gateway_settings(redis_server.url, datasets, **overrides)
+        url, stop = serve(settings)
+        stops.append(stop)
+        return Gateway(url=url, settings=settings, datasets=datasets)
+
+    yield start
+    for stop in stops:
+        stop()
+
+
+@pytest.fixture
+def gateway(start_gateway) -> Gateway:
+    return start_gateway()
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared.keys import RunKeys
 from shared.runstate import Stage
@@ -40,6 +41,14 @@ def poll(client, fake) -> tuple[dict, dict]:
     return status, one
 
 
+def metric_values(text: str) -> dict:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 def kinds(run: dict) -> set[str]:
     return {a["kind"] for a in run["alerts"]}
 
@@ -72,6 +81,14 @@ def test_figures_equal_the_truth_at_every_poll(gateway, redis, fake_run):
     final = client.get("/runs/r1").json()["run"]
     assert final["extraction"]["percent"] == 100 and final["extraction"]["eta_s"] == 0
     assert final["extraction"]["completed_at"] is not None
+    metrics = metric_values(client.get("/metrics").text)
+    assert metrics[("eaglet_samples_done_total", (("run", "r1"),))] == fake.truth.done
+    assert metrics[("eaglet_samples_failed_total", (("run", "r1"),))] == fake.truth.failed
+    assert metrics[("eaglet_bytes_written_total", (("run", "r1"),))] == fake.truth.nbytes
+    assert metrics[("eaglet_samples", (("run", "r1"),))] == fake.truth.total
+    assert metrics[("eaglet_stage", (("run", "r1"), ("stage", "extracted")))] == 1
+    assert metrics[("eaglet_alert", (("kind", "error_rate"), ("run", "r1")))] == 1
+    assert metrics[("eaglet_workers", (("liveness", "live"),))] == 3
     # 18 of 240 samples given up: 7.5 % is above the 5 % threshold.
     assert "error_rate" in kinds(final)
 

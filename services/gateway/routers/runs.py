@@ -5,6 +5,7 @@ from fastapi import APIRouter, HTTPException, status
 from services.gateway import control
 from services.gateway.deps import (
     LocalDiskDep,
+    QueueRedisDep,
     ReadAccessDep,
     RedisDep,
     RunIdDep,
@@ -31,7 +32,9 @@ def get_run(run_id: RunIdDep, redis: RedisDep, config: StatusConfigDep, disk: Lo
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, dependencies=[TokenDep], summary="Start a run")
-def start_run(body: control.StartRun, redis: RedisDep, settings: SettingsDep) -> control.RunStarted:
+def start_run(
+    body: control.StartRun, redis: RedisDep, queue_redis: QueueRedisDep, settings: SettingsDep
+) -> control.RunStarted:
     """Queues the ingest of a dataset as a new run; ingest then queues every sample for extraction."""
     try:
         dataset = control.resolve_dataset(body.dataset, settings.dataset_roots)
@@ -39,16 +42,16 @@ def start_run(body: control.StartRun, redis: RedisDep, settings: SettingsDep) ->
         raise _field_error("dataset", str(e)) from e
     run_id = body.run_id or control.new_run_id()
     try:
-        return control.start_run(redis, run_id=run_id, dataset=dataset, options=body.options)
+        return control.start_run(redis, queue_redis, run_id=run_id, dataset=dataset, options=body.options)
     except control.RunExists as e:
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
 
 
 @router.post("/{run_id}/cancel", dependencies=[TokenDep], summary="Cancel a run")
-def cancel_run(run_id: RunIdDep, redis: RedisDep) -> control.RunCancelled:
+def cancel_run(run_id: RunIdDep, redis: RedisDep, queue_redis: QueueRedisDep) -> control.RunCancelled:
     """Marks the run cancelled and drops its queued samples; samples in flight finish."""
     try:
-        return control.cancel_run(redis, run_id)
+        return control.cancel_run(redis, queue_redis, run_id)
     except control.RunNotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
     except control.WrongStage as e:
@@ -56,9 +59,9 @@ def cancel_run(run_id: RunIdDep, redis: RedisDep) -> control.RunCancelled:
 
 
 @router.post("/{run_id}/retry-failed", dependencies=[TokenDep], summary="Queue the failed samples again")
-def retry_failed(run_id: RunIdDep, redis: RedisDep) -> control.RetryQueued:
+def retry_failed(run_id: RunIdDep, redis: RedisDep, queue_redis: QueueRedisDep) -> control.RetryQueued:
     try:
-        return control.retry_failed(redis, run_id)
+        return control.retry_failed(redis, queue_redis, run_id)
     except control.RunNotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
     except control.WrongStage as e:
