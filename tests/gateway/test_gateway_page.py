@@ -15,13 +15,12 @@ from shared.keys import RunKeys
 from shared.runstate import RunState, Stage
 
 CHROMIUM = shutil.which("chromium")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="Debian's chromium is not installed: scripts/install-system.sh"
-)
 GREEN, BLUE, RED = (0x2B, 0x8A, 0x3E), (0x19, 0x71, 0xC2), (0xE0, 0x31, 0x31)
 
 
 def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess:
+    if CHROMIUM is None:
+        pytest.fail("Debian's chromium is not installed: run `make redis` (scripts/install-system.sh installs it)")
     # Without the background-networking flags Chromium keeps calling out to hosts a closed network refuses.
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",

@@ -1,0 +1,68 @@
+"""``eaglet status`` reads the same figures as the gateway, through the same code."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cli.status import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def seed(fake_run):
+    fake = fake_run("r1", total=40)
+    fake.ingest()
+    for _ in range(25):
+        fake.step()
+    fake._beat()
+    return fake
+
+
+def test_json_equals_the_gateway(gateway, fake_run, redis_server, capsys):
+    fake = seed(fake_run)
+    assert main(["r1", "--json", "--redis-url", redis_server.url]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    http = gateway.client().get("/runs/r1").json()
+    for part in ("extraction", "storage"):
+        for key in (
+            "total",
+            "done",
+            "failed",
+            "in_flight",
+            "errors",
+            "retries",
+            "bytes_written",
+            "projected_total_bytes",
+        ):
+            if key in http["run"][part]:
+                assert cli["run"][part][key] == http["run"][part][key], key
+    assert cli["run"]["extraction"]["done"] == fake.truth.done
+    assert [w["name"] for w in cli["cluster"]["workers"]] == ["w0", "w1", "w2"]
+
+
+def test_table_and_unknown_run(fake_run, redis_server, capsys):
+    seed(fake_run)
+    assert main(["--redis-url", redis_server.url]) == 0
+    out = capsys.readouterr().out
+    assert "r1" in out and "extraction" in out and "w0" in out and "error" in out
+    assert main(["nope", "--redis-url", redis_server.url]) == 1
+    assert main(["--redis-url", "redis://127.0.0.1:1/0"]) == 2
+
+
+def test_watch_redraws_until_interrupted(fake_run, redis_server):
+    seed(fake_run)
+    env = {**os.environ, "COLUMNS": "120", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}  # as in a terminal
+    cmd = [sys.executable, "-c", "import sys; from cli.status import main; sys.exit(main(sys.argv[1:]))"]
+    proc = subprocess.Popen(
+        [*cmd, "r1", "--watch", "--interval", "0.2", "--redis-url", redis_server.url],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(2.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    assert out.count("extraction") >= 2  # drawn, then redrawn
