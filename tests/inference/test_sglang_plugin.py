@@ -1,0 +1,153 @@
+"""The SGLang dump plugin against SGLang's real classes, in a subprocess of the SGLang venv.
+
+Real: SGLang 0.5.23's ``load_plugins`` (entry point discovery), ``HookRegistry`` (the patching),
+``ScheduleBatch``, ``Req``, ``SamplingParams``, ``ForwardMode``, ``LogitsProcessorOutput``,
+``GenerationBatchResult``, ``LlamaForCausalLM.set_eagle3_layers_to_capture``; the dumps are read back
+here with the extractor's own ``read_dump`` + ``validate_dump``.
+Stand-ins, because they need a GPU and an initialized process group: the model forward under
+``TpModelWorker.forward_batch_generation`` (it lays out rows by cumulative ``extend_lens`` as SGLang
+does, and pads the outputs as a CUDA graph would), ``LogitsProcessor.forward`` and
+``ModelRunner.init_attention_backends`` underneath the hooks, and the attention TP/CP rank functions.
+
+The cases live in test_sglang_plugin_cases.py; the tests below run it once with the SGLang venv's
+Python and check each case.
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
+CASES = Path(__file__).with_name("test_sglang_plugin_cases.py")
+H = 8  # hidden size of the stand-in model (as in the cases)
+LAYERS = 8  # -> EAGLE-3 layers [2, 4, 5]
+
+
+def sglang_python() -> Path:
+    if not SGLANG_PY.exists():
+        pytest.fail(f"{SGLANG_PY.relative_to(ROOT)} is missing: run `make install` (scripts/install-sglang-cpu.sh)")
+    return SGLANG_PY
+
+
+@pytest.fixture(scope="module")
+def sglang_cases(tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("sglang-cases")
+    proc = subprocess.run(
+        [str(sglang_python()), str(CASES), "cases", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, f"cases failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads((out / "results.json").read_text()), out / "dumps"
+
+
+def _dump_files(dump_dir: Path) -> set[str]:
+    return {p.name for p in dump_dir.iterdir()} if dump_dir.exists() else set()
+
+
+def _check_dump(dump_dir: Path, rid: str, prompt: list[int], dtype: str = "float32") -> None:
+    """The extractor's own reading and validation, then the values: row p is token p of the prompt."""
+    import torch
+
+    from shared.dumpfile import dump_path, read_dump, validate_dump
+
+    dump = read_dump(dump_path(dump_dir, rid))
+    validate_dump(dump, rid=rid, num_tokens=len(prompt), hidden_size=H)
+    assert dump.metadata["dtype"] == dtype
+    assert dump.metadata["model"] == "tiny-llama"
+    assert dump.aux_layer_ids == [2, LAYERS // 2, LAYERS - 3]
+    ids = torch.tensor(prompt, dtype=torch.float32)
+    pos = torch.arange(len(prompt), dtype=torch.float32)
+    assert torch.equal(dump.hidden_states[:, 0].float(), ids)
+    assert torch.equal(dump.hidden_states[:, 1].float(), pos)
+    for k in range(3):
+        assert torch.equal(dump.aux_hidden_states[:, k * H].float(), ids + 10 * (k + 1))
+
+
+def test_plugin_loads_through_entry_point(sglang_cases):
+    results, _ = sglang_cases
+    assert results["load"]["wrapped"] == {"forward": True, "init_attention": True, "logits": True}
+
+
+def test_interleaved_requests_one_batch(sglang_cases):
+    results, dumps = sglang_cases
+    case = results["interleaved"]
+    for rid, prompt in case["prompts"].items():
+        _check_dump(dumps, rid, prompt)
+    assert not any(name.startswith("HEALTH") or name.startswith("warm") for name in _dump_files(dumps))
+
+
+def test_chunked_prefill_over_three_chunks(sglang_cases):
+    results, dumps = sglang_cases
+    case = results["chunked"]
+    assert case["exists_after_chunk"] == [False, False, True]
+    _check_dump(dumps, case["rid"], case["prompt"])
+    _check_dump(dumps, case["other_rid"], case["other_prompt"])
+
+
+def test_decode_rows_are_skipped(sglang_cases):
+    results, dumps = sglang_cases
+    case = results["mixed"]
+    _check_dump(dumps, case["rid"], case["prompt"])
+    assert f"{case['decode_rid']}.safetensors" not in _dump_files(dumps)
+    assert case["decode_batch_result_passed_through"]
+
+
+def test_warmup_rid_is_not_dumped(sglang_cases):
+    results, dumps = sglang_cases
+    case = results["warmup"]
+    assert case["result_passed_through"]
+    assert case["new_files"] == []
+
+
+def test_aborted_request_is_dropped_after_timeout(sglang_cases):
+    results, dumps = sglang_cases
+    case = results["aborted"]
+    assert case["pending_before"] == [case["rid"]]
+    assert case["expired"] == [case["rid"]]
+    assert case["pending_after"] == []
+    assert f"{case['rid']}.safetensors" not in _dump_files(dumps)
+
+
+def test_chunk_gap_marks_sample_incomplete(sglang_cases):
+    results, dumps = sglang_cases
+    case = results["gap"]
+    assert f"{case['rid']}.safetensors" not in _dump_files(dumps)
+    assert f"{case['late_rid']}.safetensors" not in _dump_files(dumps)
+
+
+def test_tp_rank_not_zero_writes_nothing(sglang_cases):
+    results, dumps = sglang_cases
+    for rid in results["rank"]["rids"]:
+        assert f"{rid}.safetensors" not in _dump_files(dumps)
+
+
+def test_unsafe_rid_refused(sglang_cases):
+    results, dumps = sglang_cases
+    assert results["unsafe"]["new_files"] == []
+    assert results["unsafe"]["outside"] == []
+
+
+def test_without_native_final_states_the_logits_hook_supplies_them(sglang_cases):
+    results, dumps = sglang_cases
+    case = results["stash"]
+    _check_dump(dumps, case["rid"], case["prompt"], dtype="bfloat16")
+
+
+def test_capture_enabled_before_graphs(sglang_cases):
+    results, _ = sglang_cases
+    case = results["capture"]
+    assert case["default"] == [2, LAYERS // 2, LAYERS - 3]
+    assert case["chosen"] == [3, 5, 6]
+    assert case["already_on"] == [1, 2, 3]
+
+
+def test_no_temp_files_left(sglang_cases):
+    _, dumps = sglang_cases
+    assert not [n for n in _dump_files(dumps) if n.endswith(".tmp")]
