@@ -5,7 +5,6 @@ extractor. A sample's job id is fixed by run and index: enqueuing it twice repla
 """
 
 import hashlib
-
 from collections.abc import Iterable
 
 from redis import Redis

@@ -96,6 +96,8 @@ class RunState:
     """Writes of one run's state. Takes its Redis connection; never reaches for a global one."""
 
     def __init__(self, redis: Redis, run_id: str):
+        if not redis.get_connection_kwargs().get("decode_responses"):
+            raise TypeError("RunState needs a Redis client with decode_responses=True (run state is text)")
         self.redis = redis
         self.run_id = run_id
         self.keys = RunKeys(run_id)

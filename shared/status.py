@@ -20,6 +20,9 @@ from shared.keys import RunKeys
 from shared.runstate import RECENT_CAP, Stage
 
 ACTIVE = (Stage.ingesting, Stage.extracting)
+RATE_SAMPLES = 256
+"""Newest completions read for the rates: when all of them lie inside the window, the window shrinks to the
+time they span. Reading all RECENT_CAP entries costs ~5 ms of parsing per request for no better figure."""
 AlertKind = Literal["stalled", "workers_lost", "disk", "error_rate"]
 
 
@@ -228,7 +231,7 @@ def _queue_run(pipe, run_id: str, config: StatusConfig) -> None:
     pipe.hgetall(k.meta)
     pipe.hgetall(k.counts)
     pipe.hlen(k.inflight)
-    pipe.lrange(k.recent, 0, RECENT_CAP - 1)  # capped by the writer: bounded whatever the run size
+    pipe.lrange(k.recent, 0, min(RATE_SAMPLES, RECENT_CAP) - 1)
     pipe.lrange(k.errors, 0, -1)  # capped by the writer (ERRORS_CAP)
     pipe.hgetall(k.train)
     pipe.hgetall(k.eval)
@@ -304,7 +307,8 @@ def _worker(name: str, beat: dict, age: float, lost: bool) -> WorkerStatus:
 def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now: float) -> RunStatus:
     meta, counts, in_flight, recent, errors, train, evaluation = replies[:RUN_REPLIES]
     stage = Stage(meta.get("stage") or Stage.ingesting)
-    extraction = _extraction(meta, counts, in_flight, recent, errors, config, now)
+    completions = _parse_recent(recent)
+    extraction = _extraction(meta, counts, in_flight, completions, errors, config, now)
     storage = _storage(meta, counts, cluster)
     run = RunStatus(
         run_id=run_id,
@@ -321,7 +325,7 @@ def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now
         },
         alerts=[],
     )
-    run.alerts = _alerts(run, recent, cluster, config, now)
+    run.alerts = _alerts(run, completions, cluster, config, now)
     return run
 
 
@@ -335,23 +339,28 @@ def _parse_recent(recent: list[str]) -> list[tuple[float, int, int]]:
 
 
 def _extraction(
-    meta: dict, counts: dict, in_flight: int, recent: list[str], errors: list[str], config: StatusConfig, now: float
+    meta: dict,
+    counts: dict,
+    in_flight: int,
+    completions: list[tuple[float, int, int]],
+    errors: list[str],
+    config: StatusConfig,
+    now: float,
 ) -> Extraction:
     total = _int(meta, "total")
     done, failed = _int(counts, "done") or 0, _int(counts, "failed") or 0
     remaining = max(0, total - done - failed) if total is not None else None
     started = _float(meta, "extraction_started_at") or _float(meta, "created_at")
-    completions = _parse_recent(recent)
     cutoff = now - config.window_s
     in_window = [c for c in completions if c[0] >= cutoff]
     span = config.window_s if started is None else min(config.window_s, now - started)
-    if len(completions) >= RECENT_CAP and in_window and len(in_window) == len(completions):
-        span = now - completions[-1][0]  # the writer's cap cut the window short: rate over what it kept
+    if len(completions) >= min(RATE_SAMPLES, RECENT_CAP) and len(in_window) == len(completions):
+        span = now - completions[-1][0]  # more completions than we read lie in the window: rate over those read
     span = max(span, 1e-9)
     samples_per_s = len(in_window) / span
     tokens_per_s = sum(c[1] for c in in_window) / span
-    parsed_errors = [ErrorEntry(**json.loads(e)) for e in errors]
-    recent_errors = sum(1 for e in parsed_errors if e.ts >= cutoff and e.index >= 0)
+    parsed_errors = [json.loads(e) for e in errors]
+    recent_errors = sum(1 for e in parsed_errors if e.get("ts", 0) >= cutoff and e.get("index", -1) >= 0)
     attempts = recent_errors + len(in_window)
     last_done = _float(counts, "last_done_at")
     return Extraction(
@@ -373,7 +382,7 @@ def _extraction(
         completed_at=_float(meta, "extraction_complete"),
         last_done_at=last_done,
         seconds_since_last_done=now - last_done if last_done is not None else None,
-        last_errors=parsed_errors[: config.last_errors],
+        last_errors=[ErrorEntry(**e) for e in parsed_errors[: config.last_errors]],
     )
 
 
@@ -422,12 +431,14 @@ def _usual_interval(completions: list[tuple[float, int, int]], n: int = 100) -> 
     return (newest[0][0] - newest[-1][0]) / (len(newest) - 1)
 
 
-def _alerts(run: RunStatus, recent: list[str], cluster: Cluster, config: StatusConfig, now: float) -> list[Alert]:
+def _alerts(
+    run: RunStatus, completions: list[tuple[float, int, int]], cluster: Cluster, config: StatusConfig, now: float
+) -> list[Alert]:
     alerts = []
     ex = run.extraction
     extracting = run.stage == Stage.extracting and ex.remaining != 0
     if extracting:
-        usual = _usual_interval(_parse_recent(recent))
+        usual = _usual_interval(completions)
         since = ex.last_done_at or ex.started_at or run.created_at or now
         limit = (
             max(config.stall_factor * usual, config.stall_min_s) if usual else config.stall_factor * config.stall_min_s

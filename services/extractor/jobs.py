@@ -9,7 +9,7 @@ import os
 import socket
 
 import httpx
-from rq import get_current_job
+from redis import Redis
 
 from services.extractor.extract import Extractor
 from shared.config import Settings
@@ -35,13 +35,14 @@ def on_extract_failure(job, connection, exc_type, exc_value, traceback) -> None:
     """A job that raised (a bug, a timeout): its sample is recorded as failed, never silently lost."""
     run_id, index = job.args
     reason = f"job {job.id} crashed: {exc_type.__name__}: {exc_value}"
-    RunState(connection, run_id).mark_failed(int(index), "", reason, job.worker_name or "")
+    redis = _extractor.redis if _extractor else Redis.from_url(Settings().redis_url, decode_responses=True)
+    RunState(redis, run_id).mark_failed(int(index), "", reason, job.worker_name or "")
 
 
 def _from_environment() -> Extractor:
     settings = Settings()
     extractor = Extractor(
-        redis=get_current_job().connection,
+        redis=Redis.from_url(settings.redis_url, decode_responses=True),
         http=httpx.Client(base_url=settings.inference_url, timeout=settings.request_timeout_s),
         data_dir=settings.data_dir,
         dump_dir=settings.dump_dir,

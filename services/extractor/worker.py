@@ -43,13 +43,13 @@ class Status:
         self.state, self.run, self.sample, self.detail = state, run, sample, detail
 
 
-def active_queues(redis: Redis) -> list[Queue]:
+def active_queues(redis: Redis, rq_redis: Redis) -> list[Queue]:
     """The control queue, then each extracting run's queue, oldest run first."""
     names = [CONTROL_QUEUE]
     for run_id in redis.zrange(keys.RUNS, 0, -1):
         if redis.hget(RunKeys(run_id).meta, "stage") in ACTIVE:
             names.append(queue_name(run_id))
-    return [Queue(name, connection=redis) for name in names]
+    return [Queue(name, connection=rq_redis) for name in names]
 
 
 def heartbeat_loop(redis: Redis, settings: Settings, name: str, status: Status, stop: threading.Event) -> None:
@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.name or f"{socket.gethostname()}:{os.getpid()}"
-    redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True)
+    # RQ stores pickled bytes; run state is text. Two clients on the same server.
+    rq_redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True)
+    redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True, decode_responses=True)
     status = Status()
     settings.dump_dir.mkdir(parents=True, exist_ok=True)
     jobs.configure(
@@ -114,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%s: extracting for %s, dumps in %s", name, settings.inference_url, settings.dump_dir)
     try:
         while not stop.is_set():
-            queues = active_queues(redis)
-            worker = SimpleWorker(queues, connection=redis, name=f"{name}:{time.monotonic_ns()}")
+            queues = active_queues(redis, rq_redis)
+            worker = SimpleWorker(queues, connection=rq_redis, name=f"{name}:{time.monotonic_ns()}")
             worked = worker.work(burst=True, logging_level="WARNING", max_jobs=1000)
             status.set(WorkerState.idle, "", "", "")
             if worker._stop_requested:  # RQ's own SIGTERM/SIGINT handler asked for a warm stop

@@ -10,7 +10,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from redis import Redis
-from rq import get_current_job
 from transformers import AutoTokenizer
 
 from services.ingest.ingest import IngestOptions, IngestResult, ingest_dataset
@@ -93,6 +92,7 @@ def start_run(redis: Redis, settings: Settings, run_id: str, dataset: Path, opti
 
 def ingest_run(run_id: str, dataset: str, options: dict) -> dict:
     """RQ job: ``start_run`` with the worker's settings and connection."""
-    redis = get_current_job().connection
-    result = start_run(redis, Settings(), run_id, Path(dataset), IngestOptions(**options))
+    settings = Settings()
+    redis = Redis.from_url(settings.redis_url, decode_responses=True)  # run state is text; RQ's own client is not
+    result = start_run(redis, settings, run_id, Path(dataset), IngestOptions(**options))
     return asdict(result)

@@ -1,0 +1,141 @@
+"""The extraction spine end to end: real Redis, real server, real RQ workers in their own processes."""
+
+import json
+import time
+
+import httpx
+import pytest
+import torch
+from redis import Redis
+
+from cli.stack import LocalStack
+from services.extractor.extract import Extractor
+from services.ingest.ingest import IngestOptions
+from services.ingest.jobs import start_run
+from shared import keys
+from shared.config import Settings
+from shared.jobqueue import run_queue
+from shared.runstate import RunState
+from shared.samples import SampleSet
+from shared.store import open_sample, sample_is_complete, sample_path, samples_dir
+
+
+def write_dataset(path, n: int) -> None:
+    lines = []
+    for i in range(n):
+        if i % 2:
+            ids = [(13 * i + j) % 800 + 20 for j in range(8 + i % 23)]
+            lines.append({"id": f"tok-{i}", "input_ids": ids, "loss_mask": [0] * 4 + [1] * (len(ids) - 4)})
+        else:
+            turns = [
+                {"role": "user", "content": f"Question {i}?"},
+                {"role": "assistant", "content": "Answer " * (i % 7 + 1)},
+            ]
+            lines.append({"id": f"conv-{i}", "messages": turns})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+@pytest.fixture
+def settings(tmp_path, redis_server, reference_server):
+    return Settings(
+        redis_url=redis_server.url,
+        data_dir=tmp_path / "data",
+        dump_dir=reference_server.dump_dir,
+        model=str(reference_server.model_dir),
+        inference_url=reference_server.url,
+    )
+
+
+def env_of(settings: Settings) -> dict[str, str]:
+    fields = ("redis_url", "data_dir", "dump_dir", "model", "inference_url")
+    return {f"EAGLET_{name.upper()}": str(getattr(settings, name)) for name in fields}
+
+
+def test_two_workers_extract_every_sample_exactly_once(redis, settings, tmp_path):
+    n = 40
+    write_dataset(tmp_path / "data.jsonl", n)
+    pubsub = redis.pubsub()
+    pubsub.subscribe(keys.EVENTS)
+    with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
+        for i in range(2):
+            stack.start(f"worker-{i}", "services.extractor.worker", "--name", f"w{i}")
+        start_run(redis, settings, "e2e", tmp_path / "data.jsonl", IngestOptions())
+        state = RunState(redis, "e2e")
+        deadline = time.monotonic() + 180
+        while not state.extraction_complete():
+            assert time.monotonic() < deadline, f"not complete: {state.counts()}"
+            time.sleep(0.2)
+        workers_seen = {json.loads(v)["worker"] for v in redis.hvals(keys.WORKERS)}
+    counts = state.counts()
+    assert (counts["done"], counts["failed"]) == (n, 0), counts
+    samples = SampleSet(samples_dir(settings.data_dir, "e2e"))
+    stored_bytes = 0
+    for i in range(n):
+        sample = samples[i]
+        path = sample_path(settings.data_dir, "e2e", sample.sample_id)
+        assert sample_is_complete(path, len(sample.input_ids))
+        stored = open_sample(path)
+        assert stored["input_ids"].tolist() == sample.input_ids.tolist()
+        assert stored["loss_mask"].tolist() == sample.loss_mask.tolist()
+        stored_bytes += path.stat().st_size
+    assert counts["bytes"] == stored_bytes and counts["tokens"] == len(samples._ids)
+    assert workers_seen == {"w0", "w1"}
+    assert not [p for p in settings.dump_dir.iterdir() if ":e2e:" in p.name]  # every dump taken and deleted
+    assert not list((settings.data_dir / "runs" / "e2e" / "hidden").rglob(".*.tmp"))
+    events = []
+    while (message := pubsub.get_message(timeout=0.5)) is not None:
+        if message["type"] == "message":
+            events.append(json.loads(message["data"]))
+    assert [e for e in events if e["run"] == "e2e" and e["event"] == "extraction_complete"].__len__() == 1
+    assert run_queue(redis, "e2e").count == 0
+
+
+def extractor_for(settings: Settings, redis: Redis, **kw) -> Extractor:
+    return Extractor(
+        redis=redis,
+        http=httpx.Client(base_url=settings.inference_url, timeout=60),
+        data_dir=settings.data_dir,
+        dump_dir=settings.dump_dir,
+        worker="test",
+        **kw,
+    )
+
+
+def test_a_stored_sample_is_never_extracted_twice(redis, settings, tmp_path):
+    write_dataset(tmp_path / "data.jsonl", 3)
+    start_run(redis, settings, "idem", tmp_path / "data.jsonl", IngestOptions())
+    extractor = extractor_for(settings, redis)
+    assert extractor.extract("idem", 1) == "done"
+    assert extractor.extract("idem", 1) == "already done"
+    state = RunState(redis, "idem")
+    redis.setbit(state.keys.done, 1, 0)  # the mark lost after the file was stored (a crash in between)
+    redis.hincrby(state.keys.counts, "done", -1)
+    offline = extractor_for(settings.model_copy(update={"inference_url": "http://127.0.0.1:9"}), redis)
+    assert offline.extract("idem", 1) == "found stored"  # no request needed: the server is not even there
+    assert state.counts()["done"] == 1 and state.is_done(1)
+
+
+def test_hidden_states_stored_are_the_models(redis, settings, tmp_path):
+    write_dataset(tmp_path / "data.jsonl", 2)
+    start_run(redis, settings, "exact", tmp_path / "data.jsonl", IngestOptions())
+    extractor_for(settings, redis).extract("exact", 1)
+    sample = SampleSet(samples_dir(settings.data_dir, "exact"))[1]
+    stored = open_sample(sample_path(settings.data_dir, "exact", sample.sample_id))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(settings.model).eval()
+    with torch.inference_mode():
+        out = model.model(input_ids=torch.from_numpy(sample.input_ids).long()[None])
+    torch.testing.assert_close(stored["hidden_states"], out.last_hidden_state[0], atol=1e-5, rtol=1e-4)
+
+
+def test_unreachable_server_backs_off_then_records_the_reason(redis, settings, tmp_path):
+    write_dataset(tmp_path / "data.jsonl", 1)
+    start_run(redis, settings, "down", tmp_path / "data.jsonl", IngestOptions())
+    offline = settings.model_copy(update={"inference_url": "http://127.0.0.1:9"})
+    extractor = extractor_for(offline, redis, backoff_s=(0.05,), max_transient_s=0.3)
+    assert extractor.extract("down", 0) == "failed"
+    state = RunState(redis, "down")
+    [failure] = [json.loads(v) for v in redis.hvals(state.keys.failures)]
+    assert failure["sample_id"] == "conv-0" and "unreachable" in failure["reason"]
+    assert state.counts()["retries"] >= 3 and state.extraction_complete()
