@@ -51,12 +51,10 @@ def _done(tokens: list[int], max_new_tokens: int, eos: set[int]) -> bool:
 def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
     """Plain greedy decoding, one token per forward: the reference output and the reference speed."""
     cache = DynamicCache()
-    logits = target(input_ids, past_key_values=cache, use_cache=True).logits
+    logits = target(input_ids, cache=cache, use_cache=True).logits
     out = [int(logits[0, -1].argmax())]
     while not _done(out, max_new_tokens, eos):
-        logits = target(
-            torch.tensor([[out[-1]]], device=input_ids.device), past_key_values=cache, use_cache=True
-        ).logits
+        logits = target(torch.tensor([[out[-1]]], device=input_ids.device), cache=cache, use_cache=True).logits
         out.append(int(logits[0, -1].argmax()))
     return _stop(out, max_new_tokens, eos)
 
@@ -70,7 +68,7 @@ def speculative_generate(
     dtype = next(drafter.parameters()).dtype
     stats = SpecStats(k)
     cache = DynamicCache()
-    out = target(input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=True)
     emitted = [int(out.logits[0, -1].argmax())]
     P = input_ids.shape[1]
     dcache = KVCache()
@@ -85,7 +83,7 @@ def speculative_generate(
             if j < k - 1:
                 h = drafter.decode(d.view(1, 1), h, len(dcache), dcache)
         verify = torch.tensor([[emitted[-1], *drafts]], device=device)
-        out = target(verify, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = target(verify, cache=cache, use_cache=True, output_hidden_states=True)
         preds = out.logits[0].argmax(-1).tolist()  # [k + 1]
         a = 0
         while a < k and drafts[a] == preds[a]:
@@ -95,7 +93,7 @@ def speculative_generate(
         new = drafts[:a] + [preds[a]]
         emitted.extend(new)
         # keep what was accepted: the last emitted token + a drafts now have target features
-        cache.crop(P + 1 + a)
+        cache.crop(P + 1 + a - cache.get_seq_length())  # negative: the number of tokens to drop
         dcache.crop(P)
         feats = drafter.fc(aux_states(out.hidden_states, layer_ids)[:, : a + 1].to(dtype))
         h = drafter.decode(torch.tensor([new], device=device), feats, P, dcache)[:, -1:]

@@ -293,6 +293,7 @@ def train(*, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path,
             ((samples[it.index].input_ids, samples[it.index].loss_mask) for it in train_items), vocab_size
         )
         draft_ids = build_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always=eos_ids(target_dir))
+    torch.manual_seed(cfg.seed)  # the fresh drafter's weights are the same in every process and rerun
     drafter, target_head = build_drafter(target_dir, draft_ids, cfg.init_from_target)
     objective = TTTObjective(drafter, target_head, cfg, attention, oov).to(env.device)
     objective.set_vocab(draft_ids.to(env.device))
@@ -315,8 +316,6 @@ def train(*, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path,
         sched.load_state_dict(state["scheduler"])
         step, epoch, pos = state["step"], state["epoch"], state["batch"]
         ckpt.set_rng_state(state["rng"])
-    else:
-        torch.manual_seed(cfg.seed)
 
     rep = Reporter(redis, run_id, folder, env.main)
     started = time.time()

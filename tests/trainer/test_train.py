@@ -1,0 +1,162 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from services.trainer import main as trainer_main
+from services.trainer.checkpoint import list_states
+from services.trainer.train import Dist, TrainConfig, train
+from shared.keys import RunKeys
+from shared.runstate import RunState, Stage
+from shared.store import checkpoints_dir, drafter_dir
+from tests.trainer.fixtures import make_run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small(**kw) -> TrainConfig:
+    base = dict(ttt_steps=3, draft_vocab_size=512, max_tokens=160, lr=3e-3, warmup_ratio=0.1, workers=0,
+                heldout_fraction=0.1, checkpoint_every=1000, log_every=5)  # fmt: skip
+    return TrainConfig(**{**base, **kw})
+
+
+def curve(data_dir: Path, run: str) -> dict[int, float]:
+    rows = [json.loads(x) for x in (checkpoints_dir(data_dir, run) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}  # a step logged twice (killed, resumed): the later one counts
+
+
+def test_loss_decreases_and_drafter_is_written(redis, tmp_path, tiny_model_dir):
+    make_run(redis, tmp_path, tiny_model_dir, "r1")
+    final = train(
+        redis=redis,
+        run_id="r1",
+        data_dir=tmp_path,
+        target_dir=tiny_model_dir,
+        cfg=small(epochs=6, heldout_fraction=0.3),
+        env=Dist(),
+    )
+    losses = list(curve(tmp_path, "r1").values())
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
+    progress = redis.hgetall(RunKeys("r1").train)
+    assert progress["state"] == "training" and int(progress["step"]) == final["step"] == int(progress["total_steps"])
+    assert len(json.loads(progress["acc"])) == 3 and float(progress["tokens_per_s"]) > 0
+    assert progress["last_checkpoint"].endswith(".pt") and "heldout_loss" in progress
+    assert (drafter_dir(tmp_path, "r1") / "model.safetensors").is_file()
+
+
+def test_trainer_waits_for_the_flag(redis, tmp_path, tiny_model_dir, monkeypatch):
+    make_run(redis, tmp_path, tiny_model_dir, "r2", n=12, complete=False)
+    monkeypatch.setenv("EAGLET_REDIS_URL", _url(redis))
+    monkeypatch.setenv("EAGLET_DATA_DIR", str(tmp_path))
+    args = ["--run", "r2", "--poll-s", "0.05", "--model", str(tiny_model_dir), "--workers", "0",
+            "--draft-vocab-size", "256", "--max-tokens", "160", "--ttt-steps", "2"]  # fmt: skip
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("rc", trainer_main.main(args)))
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive(), "the trainer must wait for extraction_complete"
+    assert not redis.exists(RunKeys("r2").train) and RunState(redis, "r2").stage() == Stage.extracting
+    assert not checkpoints_dir(tmp_path, "r2").exists()
+    RunState(redis, "r2").mark_done(11, 40, 0)  # the last sample: sets extraction_complete
+    thread.join(120)
+    assert result.get("rc") == 0
+    assert RunState(redis, "r2").stage() == Stage.done
+    assert redis.hget(RunKeys("r2").train, "state") == "done"
+
+
+def _url(redis) -> str:
+    kw = redis.connection_pool.connection_kwargs
+    return f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
+
+
+def test_partial_run_trains_only_when_told(redis, tmp_path, tiny_model_dir, monkeypatch):
+    make_run(redis, tmp_path, tiny_model_dir, "r3", n=12, complete=False)
+    monkeypatch.setenv("EAGLET_REDIS_URL", _url(redis))
+    monkeypatch.setenv("EAGLET_DATA_DIR", str(tmp_path))
+    args = ["--run", "r3", "--allow-partial", "--model", str(tiny_model_dir), "--workers", "0",
+            "--draft-vocab-size", "256", "--max-tokens", "160", "--ttt-steps", "2",
+            "--heldout-fraction", "0"]  # fmt: skip
+    assert trainer_main.main(args) == 0
+    assert int(redis.hget(RunKeys("r3").train, "train_samples")) == 11  # the undone sample is left out
+
+
+@pytest.mark.timeout(300)
+def test_resume_after_kill_continues_the_same_curve(redis, tmp_path, tiny_model_dir):
+    make_run(redis, tmp_path, tiny_model_dir, "ref")
+    make_run(redis, tmp_path, tiny_model_dir, "kill")
+    cfg = dict(epochs=40, checkpoint_every=7, max_tokens=100)
+    train(redis=redis, run_id="ref", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(**cfg), env=Dist())
+    reference = curve(tmp_path, "ref")
+
+    env = {**os.environ, "EAGLET_REDIS_URL": _url(redis), "EAGLET_DATA_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    args = ["--run", "kill", "--model", str(tiny_model_dir), "--workers", "0", "--draft-vocab-size", "512",
+            "--max-tokens", "100", "--ttt-steps", "3", "--lr", "3e-3", "--warmup-ratio", "0.1",
+            "--heldout-fraction", "0.1", "--epochs", "40", "--checkpoint-every", "7"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "services.trainer.main", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    folder = checkpoints_dir(tmp_path, "kill")
+    deadline = time.time() + 120
+    while time.time() < deadline and not list_states(folder) and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    states = list_states(folder)
+    assert states, "no checkpoint before the kill"
+    resumed_from = int(states[-1].stem.split("_")[1])
+    total = max(reference)
+    assert 0 < resumed_from < total
+
+    train(redis=redis, run_id="kill", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(**cfg), env=Dist())
+    got = curve(tmp_path, "kill")
+    assert sorted(got) == sorted(reference)
+    for step in range(resumed_from + 1, total + 1):
+        assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (step, got, reference)
+
+
+def test_checkpoint_names_and_shapes_are_what_sglang_and_vllm_load(redis, tmp_path, tiny_model_dir):
+    make_run(redis, tmp_path, tiny_model_dir, "r4", n=8)
+    train(redis=redis, run_id="r4", data_dir=tmp_path, target_dir=tiny_model_dir,
+          cfg=small(max_steps=2, draft_vocab_size=300), env=Dist())  # fmt: skip
+    out = drafter_dir(tmp_path, "r4")
+    config = json.loads((out / "config.json").read_text())
+    target = json.loads((tiny_model_dir / "config.json").read_text())
+    H, inter, V = target["hidden_size"], target["intermediate_size"], target["vocab_size"]
+    heads, kv = target["num_attention_heads"], target["num_key_value_heads"]
+    d = H // heads
+    expected = {
+        "fc.weight": [H, 3 * H],
+        "midlayer.hidden_norm.weight": [H],
+        "midlayer.input_layernorm.weight": [H],
+        "midlayer.self_attn.q_proj.weight": [heads * d, 2 * H],
+        "midlayer.self_attn.k_proj.weight": [kv * d, 2 * H],
+        "midlayer.self_attn.v_proj.weight": [kv * d, 2 * H],
+        "midlayer.self_attn.o_proj.weight": [H, heads * d],
+        "midlayer.post_attention_layernorm.weight": [H],
+        "midlayer.mlp.gate_proj.weight": [inter, H],
+        "midlayer.mlp.up_proj.weight": [inter, H],
+        "midlayer.mlp.down_proj.weight": [H, inter],
+        "norm.weight": [H],
+        "lm_head.weight": [300, H],
+        "d2t": [300],
+        "t2d": [V],
+    }
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    assert shapes == expected
+    assert str(d2t.dtype) == "torch.int64" and str(t2d.dtype) == "torch.bool"
+    hot = d2t + __import__("torch").arange(300)  # SGLang's hot_token_id
+    assert bool(t2d[hot].all()) and int(t2d.sum()) == 300
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
+    assert config["vocab_size"] == V and config["draft_vocab_size"] == 300 and config["hidden_size"] == H
+    captured = [2, 3, 3]  # eagle3_layer_ids(6): inputs of layers 2, 3, 3
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [c - 1 for c in captured]  # SGLang: +1
+    assert config["eagle_aux_hidden_state_layer_ids"] == captured  # vLLM: input of layer i, as stored
