@@ -1,6 +1,6 @@
 """``/runs``: one run's figures, and the token-protected run control (start, cancel, retry)."""
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, HTTPException, Response, status
 
 from services.gateway import control
 from services.gateway.deps import (
@@ -24,11 +24,11 @@ def _field_error(field: str, message: str) -> HTTPException:
 
 
 @router.get("/{run_id}", response_model=RunReport, dependencies=[ReadAccessDep], summary="Figures of one run")
-def get_run(run_id: RunIdDep, redis: RedisDep, config: StatusConfigDep, disk: LocalDiskDep) -> RunReport:
+def get_run(run_id: RunIdDep, redis: RedisDep, config: StatusConfigDep, disk: LocalDiskDep) -> Response:
     report = read_run(redis, run_id, config=config, local_disk=disk)
     if report is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-    return report
+    return Response(report.model_dump_json(), media_type="application/json")  # validated once, as in /status
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, dependencies=[TokenDep], summary="Start a run")

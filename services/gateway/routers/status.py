@@ -2,7 +2,7 @@
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
 from services.gateway.deps import LocalDiskDep, ReadAccessDep, RedisDep, SettingsDep, StatusConfigDep
 from shared.status import StatusReport, read_status
@@ -18,10 +18,12 @@ def get_status(
     disk: LocalDiskDep,
     offset: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int | None, Query(ge=1, description="Runs per page; at most EAGLET_STATUS_MAX_RUNS")] = None,
-) -> StatusReport:
+) -> Response:
     """Extraction, storage, training and alerts of each run, and the workers and inference servers.
 
     Every figure is read from counters and capped windows: the cost does not grow with the samples.
     """
     limit = min(limit or 20, settings.status_max_runs)
-    return read_status(redis, config=config, offset=offset, limit=limit, local_disk=disk)
+    report = read_status(redis, config=config, offset=offset, limit=limit, local_disk=disk)
+    # Serialized here: the model is built and checked once already, and FastAPI would validate it again.
+    return Response(report.model_dump_json(), media_type="application/json")
