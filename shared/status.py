@@ -100,10 +100,13 @@ class Training(BaseModel):
     total_steps: int | None
     percent: float | None
     loss: float | None
-    accuracy: float | None
+    accuracy: float | None = Field(description="Top-1 accuracy of the first draft position")
+    accuracy_per_position: list[float] | None = Field(description="One accuracy per training-time-test step")
     tokens_per_s: float | None
     eta_s: float | None
     last_checkpoint: str | None
+    state: str | None = Field(description="The trainer's own state: waiting, training, done, failed")
+    error: str | None
     seconds_since_update: float | None
 
 
@@ -410,15 +413,26 @@ def _training(train: dict, now: float) -> Training:
     if eta is None and step and total is not None and started is not None:
         eta = (total - step) * (now - started) / step  # the mean step time so far
     updated = _float(train, "updated_at")
+    # The trainer writes ``acc`` as a JSON list, one accuracy per unrolled step; ``accuracy`` alone is accepted too.
+    try:
+        per_position = [float(a) for a in json.loads(train["acc"])] if train.get("acc") else None
+    except (ValueError, TypeError):
+        per_position = None
+    accuracy = _float(train, "accuracy")
+    if accuracy is None and per_position:
+        accuracy = per_position[0]
     return Training(
         step=step,
         total_steps=total,
         percent=100.0 * step / total if step is not None and total else None,
         loss=_float(train, "loss"),
-        accuracy=_float(train, "accuracy"),
+        accuracy=accuracy,
+        accuracy_per_position=per_position,
         tokens_per_s=_float(train, "tokens_per_s"),
         eta_s=eta,
         last_checkpoint=train.get("last_checkpoint") or None,
+        state=train.get("state") or None,
+        error=train.get("error") or None,
         seconds_since_update=now - updated if updated is not None else None,
     )
 

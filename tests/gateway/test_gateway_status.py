@@ -175,12 +175,14 @@ def test_training_and_evaluation_figures(gateway, redis):
     state.set_stage(Stage.training)
     now = time.time()
     redis.hset(RunKeys("r4").train, mapping={
-        "step": 250, "total_steps": 1000, "loss": 1.5, "accuracy": 0.625, "tokens_per_s": 12000.0,
+        "step": 250, "total_steps": 1000, "loss": 1.5, "acc": "[0.625, 0.5, 0.25]", "state": "training",
+        "tokens_per_s": 12000.0,
         "started_at": now - 50, "updated_at": now, "last_checkpoint": "checkpoints/step-200",
     })  # fmt: skip
     redis.hset(RunKeys("r4").eval, mapping={"acceptance_length": 3.25})
     run = gateway.client().get("/runs/r4").json()["run"]
     tr = run["training"]
     assert (tr["step"], tr["total_steps"], tr["percent"], tr["loss"], tr["accuracy"]) == (250, 1000, 25.0, 1.5, 0.625)
+    assert tr["accuracy_per_position"] == [0.625, 0.5, 0.25] and tr["state"] == "training"
     assert tr["eta_s"] == pytest.approx(150, abs=2) and tr["last_checkpoint"] == "checkpoints/step-200"
     assert run["evaluation"] == {"acceptance_length": 3.25}
