@@ -91,6 +91,27 @@ return complete_if_last(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[5])
 """
 )
 
+# KEYS: meta counts failed failures; ARGV: index...
+# Failed samples become pending again, so the run is not complete until they have a new outcome.
+# Refused (returns -1) once the trainer has started: it trains on what was complete.
+REOPEN_FAILED = """
+local stage = redis.call('HGET', KEYS[1], 'stage')
+if stage ~= 'extracting' and stage ~= 'extracted' then return -1 end
+local n = 0
+for _, index in ipairs(ARGV) do
+  if redis.call('SETBIT', KEYS[3], index, 0) == 1 then
+    redis.call('HDEL', KEYS[4], index)
+    n = n + 1
+  end
+end
+if n > 0 then
+  redis.call('HINCRBY', KEYS[2], 'failed', -n)
+  redis.call('HDEL', KEYS[1], 'extraction_complete')
+  redis.call('HSET', KEYS[1], 'stage', 'extracting')
+end
+return n
+"""
+
 
 class RunState:
     """Writes of one run's state. Takes its Redis connection; never reaches for a global one."""
@@ -104,6 +125,7 @@ class RunState:
         self._mark_done = redis.register_script(MARK_DONE)
         self._mark_failed = redis.register_script(MARK_FAILED)
         self._set_total = redis.register_script(SET_TOTAL)
+        self._reopen_failed = redis.register_script(REOPEN_FAILED)
 
     def create(self, **meta: str | int | float) -> None:
         """Registers the run (stage ``ingesting``); ``total`` is set by ``set_total`` once ingest is done."""
@@ -153,11 +175,12 @@ class RunState:
     def publish(self, event: str) -> None:
         self.redis.publish(keys.EVENTS, json.dumps({"run": self.run_id, "event": event, "ts": time.time()}))
 
-    def start_attempt(self, index: int, worker: str) -> int:
+    def start_attempt(self, index: int, worker: str, instance: str = "") -> int:
         """Records the sample as in flight and returns this attempt's number (1, 2, ...)."""
         pipe = self.redis.pipeline()
         pipe.hincrby(self.keys.attempts, str(index), 1)
-        pipe.hset(self.keys.inflight, str(index), json.dumps({"worker": worker, "started": time.time()}))
+        record = {"worker": worker, "instance": instance, "started": time.time()}
+        pipe.hset(self.keys.inflight, str(index), json.dumps(record))
         attempt = pipe.execute()[0]
         if attempt > 1:
             self.redis.hincrby(self.keys.counts, "retries", 1)
@@ -168,6 +191,16 @@ class RunState:
 
     def is_done(self, index: int) -> bool:
         return bool(self.redis.getbit(self.keys.done, index))
+
+    def has_outcome(self, index: int) -> bool:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.getbit(self.keys.done, index)
+        pipe.getbit(self.keys.failed, index)
+        return any(pipe.execute())
+
+    def record_lost(self, index: int) -> int:
+        """The worker extracting ``index`` died; returns how many times that has happened to this sample."""
+        return int(self.redis.hincrby(self.keys.lost, str(index), 1))
 
     def mark_done(self, index: int, tokens: int, nbytes: int) -> int:
         k = self.keys
@@ -190,6 +223,12 @@ class RunState:
                 args=[index, failure, time.time(), keys.EVENTS, self.run_id],
             )
         )
+
+    def reopen_failed(self, indexes: list[int]) -> int:
+        """Makes failed samples pending again before they are re-queued; returns how many, or -1 if the
+        trainer has started (then the run's extraction stays as it was)."""
+        k = self.keys
+        return int(self._reopen_failed(keys=[k.meta, k.counts, k.failed, k.failures], args=[str(i) for i in indexes]))
 
     def record_error(self, index: int, sample_id: str, reason: str, worker: str = "", final: bool = False) -> None:
         """Keeps the newest errors, transient ones included, for ``/status``."""

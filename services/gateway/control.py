@@ -17,7 +17,6 @@ from redis import Redis
 
 from shared import jobqueue, keys
 from shared.ids import check_id
-from shared.keys import RunKeys
 from shared.runstate import RunState, Stage
 
 log = logging.getLogger(__name__)
@@ -127,15 +126,16 @@ def cancel_run(redis: Redis, queue_redis: Redis, run_id: str) -> RunCancelled:
 
 
 def retry_failed(redis: Redis, queue_redis: Redis, run_id: str) -> RetryQueued:
-    """Queues the failed samples again, each with a fresh count of attempts."""
+    """Makes the failed samples pending again (the run is not complete until they have a new outcome)
+    and queues them. Attempt numbers keep counting, so a retry's request ids never repeat an old one."""
     state = _existing(redis, run_id)
     stage = state.stage()
     if stage not in RETRYABLE:
         raise WrongStage(f"run {run_id!r} is {stage}: failed samples are retried while extracting or extracted")
     indexes = jobqueue.failed_indexes(redis, run_id)
-    # Without this a sample that used up its attempts would fail again at once, without a try.
     for start in range(0, len(indexes), jobqueue.BATCH):
-        redis.hdel(RunKeys(run_id).attempts, *[str(i) for i in indexes[start : start + jobqueue.BATCH]])
+        if state.reopen_failed(indexes[start : start + jobqueue.BATCH]) < 0:
+            raise WrongStage(f"run {run_id!r}: training has started; failed samples can no longer be retried")
     queued = jobqueue.enqueue_samples(queue_redis, run_id, indexes)
     log.info("run %s: %d failed samples queued again", run_id, queued)
     return RetryQueued(run_id=run_id, queued=queued)

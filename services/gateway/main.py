@@ -1,6 +1,7 @@
 """The gateway: wires settings, Redis and the routers. ``uvicorn services.gateway.main:app`` or
 ``python -m services.gateway.main``; settings come from ``EAGLET_*``. Stateless: run as many as you like."""
 
+import argparse
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -51,12 +52,17 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 app = create_app()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eaglet gateway", description=__doc__)
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = GatewaySettings()
+    settings = GatewaySettings(**{k: v for k, v in vars(args).items() if v is not None})
     log.info("gateway: listening on %s:%d", settings.host, settings.port)  # the Redis URL may hold a password
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
