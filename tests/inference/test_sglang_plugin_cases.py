@@ -36,6 +36,8 @@ def _cases(out: Path) -> dict:
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.sampling.sampling_params import SamplingParams
 
+    # 0.5.23 fills LogitsProcessorOutput.last_hidden_states in capture-only mode; 0.5.17 has no such field
+    native = "last_hidden_states" in LogitsProcessorOutput.__dataclass_fields__
     rank = {"tp": 0, "cp": 0}
     parallel_state.get_attn_tensor_model_parallel_rank = lambda: rank["tp"]
     parallel_state.get_attn_context_model_parallel_rank = lambda: rank["cp"]
@@ -77,14 +79,18 @@ def _cases(out: Path) -> dict:
     import eaglet_sglang
 
     plugin = eaglet_sglang.PLUGIN
+    import sglang
+
     results: dict = {
+        "version": sglang.__version__,
+        "native_final_states": native,
         "load": {
             "wrapped": {
                 "forward": getattr(TpModelWorker.forward_batch_generation, "__wrapped__", None) is standin_forward,
                 "init_attention": hasattr(ModelRunner.init_attention_backends, "__wrapped__"),
                 "logits": getattr(LogitsProcessor.forward, "__wrapped__", None) is standin_logits_forward,
             }
-        }
+        },
     }
 
     def standin_model(layers_to_capture=None):
@@ -100,7 +106,7 @@ def _cases(out: Path) -> dict:
             model.model.layers_to_capture = layers_to_capture
         return model
 
-    def new_worker(native_final=True, dtype=torch.float32):
+    def new_worker(native_final=native, dtype=torch.float32):
         runner = ModelRunner.__new__(ModelRunner)
         runner.is_draft_worker = False
         runner.model = standin_model()
