@@ -7,6 +7,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 .PHONY: install demo test lint format redis clean
 
 install: $(VENV)/.installed
+	PYTHON=$(PYTHON) bash scripts/install-sglang-cpu.sh
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
