@@ -4,9 +4,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install demo test lint format redis clean
+.PHONY: install sglang-cpu demo test lint format redis clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed sglang-cpu
+
+# SGLang's CPU-importable classes, in a venv of their own: the plugin's tests run against them.
+sglang-cpu: $(VENV)/.installed
 	PYTHON=$(PYTHON) bash scripts/install-sglang-cpu.sh
 
 $(VENV)/.installed: pyproject.toml
@@ -19,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 redis:
 	bash scripts/ensure-redis.sh
 
-demo: install redis
+demo: $(VENV)/.installed redis
 	$(BIN)/eaglet demo
 
 test: install redis
