@@ -34,10 +34,15 @@ def beat(
     detail: str = "",
     disk_free: int | None = None,
     disk_total: int | None = None,
+    instance: str = "",
 ) -> None:
-    """Records one worker's state now. ``detail`` says why it is in backoff; disk figures are of the data volume."""
+    """Records one worker's state now. ``detail`` says why it is in backoff; disk figures are of the data volume.
+
+    ``instance`` is unique per process: a worker restarted under the same name is a new instance, so the jobs
+    the old one had started are known to be abandoned (see services/extractor/reaper.py)."""
     record = {
         "worker": worker,
+        "instance": instance,
         "state": state,
         "host": host,
         "pid": pid,

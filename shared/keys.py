@@ -28,6 +28,8 @@ class RunKeys:
         self.recent = f"{base}:recent"  # LIST, newest first, capped: "ts tokens bytes" per completion
         self.inflight = f"{base}:inflight"  # HASH sample index -> JSON {worker, started}
         self.attempts = f"{base}:attempts"  # HASH sample index -> attempts so far
+        self.lost = f"{base}:lost"  # HASH sample index -> times the worker extracting it died
+        self.abandoned = f"{base}:abandoned"  # SET sample indexes whose RQ job RQ itself found abandoned
         self.train = f"{base}:train"  # HASH: trainer progress
         self.eval = f"{base}:eval"  # HASH: evaluation results
 

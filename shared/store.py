@@ -55,12 +55,22 @@ def sample_path(data_dir: Path, run_id: str, sample_id: str) -> Path:
     return hidden_dir(data_dir, run_id) / fanout(sample_id) / f"{sample_id}.safetensors"
 
 
-def write_sample(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    """Writes one sample file durably (temp, fsync, rename, fsync of the folder); returns its size."""
+def partial_path(path: Path, writer: str) -> Path:
+    """The temp name ``writer`` writes ``path`` under. Known from the writer alone, so the file a killed writer
+    left can be removed without listing the folder."""
+    return path.with_name(f".{path.name}.{check_id(writer, 'writer')}.tmp")
+
+
+def write_sample(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *, writer: str | None = None
+) -> int:
+    """Writes one sample file durably (temp, fsync, rename, fsync of the folder); returns its size.
+
+    ``writer`` names the temp file (default: the pid); one writer writes one file at a time."""
     blob = save({k: tensors[k].contiguous() for k in SAMPLE_TENSORS}, metadata=metadata)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = partial_path(path, writer or str(os.getpid()))
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # inside the try: a full disk fails here too
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             view = memoryview(blob)

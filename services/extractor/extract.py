@@ -34,6 +34,8 @@ class Extractor:
     data_dir: Path
     dump_dir: Path
     worker: str
+    instance: str = ""
+    """Unique per process (see shared/heartbeats.py); names the temp files this process writes."""
     dump_wait_s: float = 60.0
     max_attempts: int = 4
     backoff_s: tuple[float, ...] = (1, 2, 5, 10, 30, 60)
@@ -49,7 +51,7 @@ class Extractor:
             return "cancelled"
         if state.is_done(index):
             return "already done"
-        sample = self._sample_set(run_id)[index]
+        sample = self.sample_set(run_id)[index]
         path = sample_path(self.data_dir, run_id, sample.sample_id)
         if sample_is_complete(path, len(sample.input_ids)):
             # Stored by an earlier attempt whose mark was lost (a crash between rename and mark).
@@ -60,7 +62,7 @@ class Extractor:
     def _extract_with_retries(self, state: RunState, sample: Sample, path: Path) -> str:
         rejected, waited, backoff = 0, 0.0, 0
         while True:
-            attempt = state.start_attempt(sample.index, self.worker)
+            attempt = state.start_attempt(sample.index, self.worker, self.instance)
             try:
                 nbytes = self._attempt(state, sample, path, attempt)
             except Transient as e:
@@ -72,7 +74,7 @@ class Extractor:
                     state.mark_failed(sample.index, sample.sample_id, f"gave up after {waited:.0f}s: {e}", self.worker)
                     return "failed"
                 log.warning("%s: sample %s: %s; retrying in %.0fs", self.worker, sample.sample_id, e, delay)
-                self._report("backoff", state.run_id, sample.sample_id, str(e))
+                self.report("backoff", state.run_id, sample.sample_id, str(e))
                 time.sleep(delay)
                 continue
             except SampleRejected as e:
@@ -88,8 +90,9 @@ class Extractor:
 
     def _attempt(self, state: RunState, sample: Sample, path: Path, attempt: int) -> int:
         rid = make_rid(state.run_id, sample.sample_id, attempt)
-        self._report("busy", state.run_id, sample.sample_id, "")
+        self.report("busy", state.run_id, sample.sample_id, "")
         dump_file = dump_path(self.dump_dir, rid)
+        self._drop_old_dumps(state.run_id, sample.sample_id, attempt)
         try:
             self._prefill(rid, sample)
             dump = self._wait_for_dump(dump_file, rid)
@@ -103,7 +106,7 @@ class Extractor:
             }
             metadata = {**dump.metadata, "run_id": state.run_id, "sample_id": sample.sample_id}
             try:
-                return write_sample(path, tensors, metadata)
+                return write_sample(path, tensors, metadata, writer=self.instance or None)
             except StoreError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
                     raise Transient(f"data volume: {e}") from e
@@ -112,6 +115,12 @@ class Extractor:
             raise SampleRejected(str(e)) from e
         finally:
             dump_file.unlink(missing_ok=True)
+
+    def _drop_old_dumps(self, run_id: str, sample_id: str, attempt: int) -> None:
+        # Dumps of earlier attempts whose worker died, or whose answer never came (a server killed after it
+        # wrote the file): never read again, since each attempt has its own rid, so only removed, by name.
+        for earlier in range(max(1, attempt - 64), attempt):
+            dump_path(self.dump_dir, make_rid(run_id, sample_id, earlier)).unlink(missing_ok=True)
 
     def _prefill(self, rid: str, sample: Sample) -> None:
         body = {
@@ -144,7 +153,7 @@ class Extractor:
             delay = min(delay * 2, 0.1)
         return read_dump(dump_file)
 
-    def _sample_set(self, run_id: str) -> SampleSet:
+    def sample_set(self, run_id: str) -> SampleSet:
         if run_id not in self._samples:
             self._samples[run_id] = SampleSet(samples_dir(self.data_dir, run_id))
         return self._samples[run_id]
@@ -155,6 +164,6 @@ class Extractor:
             self._meta[state.run_id] = {"hidden_size": int(meta["hidden_size"])}
         return self._meta[state.run_id]
 
-    def _report(self, what: str, run_id: str, sample_id: str, detail: str) -> None:
+    def report(self, what: str, run_id: str, sample_id: str, detail: str) -> None:
         if self.on_state is not None:
             self.on_state(what, run_id, sample_id, detail)
