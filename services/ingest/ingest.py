@@ -5,13 +5,14 @@ to ``on_sample`` as they are stored, so extraction can start before the file has
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from transformers import PreTrainedTokenizerBase
 
+from services.ingest import records
 from services.ingest.chat import tokenize_conversation
 from services.ingest.records import BadLine, Conversation, parse_line
 from shared.samples import SampleWriter
@@ -58,13 +59,15 @@ def ingest_dataset(
     result = IngestResult()
     first_line_of: dict[str, int] = {}
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
+        for line_no, (raw, size) in enumerate(_lines(f, records.MAX_LINE_BYTES), start=1):
+            if size <= records.MAX_LINE_BYTES and not raw.strip():
                 continue
             if options.limit is not None and result.samples >= options.limit:
                 break
             sample_id = ""
             try:
+                if size > records.MAX_LINE_BYTES:
+                    raise BadLine(f"line of {size} bytes exceeds the {records.MAX_LINE_BYTES}-byte limit")
                 record = parse_line(raw)
                 sample_id = record.sample_id
                 if sample_id in first_line_of:
@@ -89,6 +92,19 @@ def ingest_dataset(
             result.truncated += truncated
             on_sample(index)
     return result
+
+
+def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[bytes, int]]:
+    """(line, its size) per line; a line over ``limit`` comes as its first bytes only, and is skipped over
+    in chunks: a file without newlines (or a 10 GB line) never sits in memory whole."""
+    while raw := f.readline(limit + 1):
+        size = len(raw)
+        if size > limit and not raw.endswith(b"\n"):
+            while chunk := f.readline(1 << 20):
+                size += len(chunk)
+                if chunk.endswith(b"\n"):
+                    break
+        yield raw, size
 
 
 def _tokens(record, tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:

@@ -72,7 +72,8 @@ def _messages(turns: object, role_key: str, text_key: str, roles: dict[str, str]
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise BadLine(f"turn {i} is not an object")
-        role = roles.get(turn.get(role_key))
+        given = turn.get(role_key)
+        role = roles.get(given) if isinstance(given, str) else None  # a list or dict here is not hashable
         if role is None:
             raise BadLine(f"turn {i}: unknown {role_key} {turn.get(role_key)!r}")
         content = turn.get(text_key)
