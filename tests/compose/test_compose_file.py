@@ -1,0 +1,120 @@
+"""The compose file's contract, read statically (no Docker): what is published, what needs a secret, what scales,
+and that it stays inside what Debian's docker-compose 1.29 accepts."""
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+VAR = re.compile(r"\$\{([A-Z0-9_]+)(?:(:?[-?])([^}]*))?\}")
+SERVICES = ("inference", "extractor", "trainer", "gateway")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR:?error}`` (the forms the file may use)."""
+
+    def one(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        value = env.get(name)
+        if op and op.startswith(":") and not value:
+            value = None
+        if value is not None:
+            return value
+        if op and op.endswith("?"):
+            raise KeyError(f"{name}: {arg}")
+        return arg or ""
+
+    return VAR.sub(one, text)
+
+
+def load(env: dict[str, str]) -> dict:
+    return yaml.safe_load(interpolate(COMPOSE.read_text(), env))
+
+
+SECRETS = {"EAGLET_REDIS_PASSWORD": "pw", "EAGLET_API_TOKEN": "tok"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load(SECRETS)
+
+
+def test_secrets_are_required():
+    for name in SECRETS:
+        with pytest.raises(KeyError, match=name):
+            load({k: v for k, v in SECRETS.items() if k != name})
+
+
+def test_only_the_gateway_publishes_a_port_on_loopback(compose):
+    published = {name: s["ports"] for name, s in compose["services"].items() if s.get("ports")}
+    assert published == {"gateway": ["127.0.0.1:8000:8000"]}
+    assert all("expose" not in s or name == "gateway" for name, s in compose["services"].items())
+
+
+def test_redis_has_a_password_and_persists(compose):
+    command = compose["services"]["redis"]["command"]
+    assert command[command.index("--requirepass") + 1] == "pw"
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert "redis:/data" in compose["services"]["redis"]["volumes"]
+    for name, service in compose["services"].items():
+        if "EAGLET_REDIS_URL" in service.get("environment", {}):
+            assert service["environment"]["EAGLET_REDIS_URL"] == "redis://:pw@redis:6379/0", name
+
+
+def test_profiles_and_dependencies(compose):
+    services = compose["services"]
+    assert services["inference"]["profiles"] == ["cpu"] and services["inference-gpu"]["profiles"] == ["gpu"]
+    for name, service in services.items():
+        for dep, cond in service.get("depends_on", {}).items():
+            # A dependency outside the service's profiles makes compose refuse to start it.
+            assert set(services[dep].get("profiles", [])) <= set(service.get("profiles", [])), (name, dep)
+            assert cond["condition"] == "service_healthy", (name, dep)
+    for name in ("inference-gpu", "trainer-gpu"):
+        assert services[name]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+
+
+def test_scalable_extractors_and_restart_policies(compose):
+    services = compose["services"]
+    for name in ("extractor", "extractor-gpu", "trainer", "trainer-gpu"):
+        assert "container_name" not in services[name] and "ports" not in services[name]
+        assert services[name]["restart"] == "unless-stopped"
+    # The inference supervisor exits 0 after releasing the GPUs: only a failure may bring it back.
+    assert services["inference"]["restart"] == services["inference-gpu"]["restart"] == "on-failure"
+
+
+def test_volumes(compose):
+    assert set(compose["volumes"]) == {"redis", "data", "models", "dump"}
+    assert compose["volumes"]["dump"]["driver_opts"]["type"] == "tmpfs"
+    for name in ("inference", "extractor", "inference-gpu", "extractor-gpu"):
+        assert "dump:/dump" in compose["services"][name]["volumes"], name
+
+
+def test_compose_1_29_accepts_it(compose):
+    assert not {"name", "include"} & set(compose)
+    for name, service in compose["services"].items():
+        assert not {"gpus", "develop", "post_start", "pull_policy"} & set(service), name
+        assert "start_interval" not in service.get("healthcheck", {}), name
+        for dep in service.get("depends_on", {}).values():
+            assert set(dep) == {"condition"}, name
+        assert all(isinstance(p, str) for p in service.get("ports", [])), name
+    assert ":+" not in COMPOSE.read_text()
+
+
+def test_env_example_documents_every_variable():
+    used = {m.group(1) for m in VAR.finditer(COMPOSE.read_text())}
+    example = (ROOT / ".env.example").read_text()
+    documented = set(re.findall(r"^#?([A-Z0-9_]+)=", example, flags=re.M))
+    assert used - documented == set()
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_dockerfiles_run_as_non_root_with_a_healthcheck(service):
+    text = (ROOT / "services" / service / "Dockerfile").read_text()
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, flags=re.M)
+    assert re.search(r"^USER eaglet$", text, flags=re.M)
+    assert re.search(r"^HEALTHCHECK ", text, flags=re.M)
+    # Code comes after the dependencies: nothing below FROM installs packages.
+    assert "pip install" not in text
