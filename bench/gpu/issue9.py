@@ -1,0 +1,627 @@
+"""The GPU proof of eaglet's SGLang dump plugin (issue 9), run on an H200 machine after bench/gpu/install.sh.
+
+    python3 bench/gpu/issue9.py PHASE [PHASE...]     (from the repo root; results in $OUT, default ./gpu-out)
+
+Phases:
+  smol      SGLang 0.5.17 + eaglet's plugin on a SmolLM2-135M-shape Llama (random bf16 weights), radix cache
+            off, chunked prefill 256: the real extractor workers extract N samples (lengths 16..3000 tokens);
+            the same prompts go through the reference server on the same GPU and the hidden states are
+            compared per tensor; prefill tokens/s of the server alone (plugin on, no dump) and of the pipeline.
+  real      the same on the bundled SmolLM2-135M-Instruct (real weights, from its GGUF), on the demo
+            conversations; keeps the store for `drafter`.
+  speed8b   Llama-3-8B shape (random bf16): prefill tokens/s of plain SGLang vs SGLang with the plugin
+            (2,048-token prompts, concurrency 32), and the pipeline's end-to-end tokens/s with 32 workers.
+  ref8b     the reference server at the 8B shape: server alone (--no-dump) vs the pipeline.
+  train8b   eaglet's trainer on the 8B store files that speed8b wrote (hidden 4096, TTT 7, 2,048-token
+            samples): tokens/s and peak GPU memory.
+  drafter   trains a drafter with eaglet's trainer on the `real` (else `smol`) run, loads it in SGLang as an
+            EAGLE-3 draft and decodes; reports SGLang's acceptance length.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+REPO = Path.cwd()
+ROOT = Path(os.environ.get("ISSUE9_ROOT", "/root"))  # everything the runs write, outside the tree
+S = ROOT / "stage"
+OUT = Path(os.environ.get("OUT") or REPO / "gpu-out")
+OUT.mkdir(parents=True, exist_ok=True)
+LOGS = ROOT / "logs"
+LOGS.mkdir(parents=True, exist_ok=True)
+MODELS = ROOT / "models"
+DATA = ROOT / "data"
+DUMPS = Path(os.environ.get("ISSUE9_DUMPS", "/dev/shm/eaglet-dumps"))
+REDIS_PORT = os.environ.get("ISSUE9_REDIS_PORT", "6379")
+REDIS_URL = f"redis://127.0.0.1:{REDIS_PORT}/0"
+SGL_PORT, REF_PORT = 30000, 30001
+PY_EAGLET = f"{REPO}:{S}/esite:{S}/site"
+PY_SGL_PLAIN = f"{S}/site"
+PY_SGL_PLUGIN = f"{REPO}:{S}/plugin_site:{S}/esite:{S}/site"
+SGL_BASE = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--log-level", "info"]
+T0 = time.time()
+RESULTS: dict = {}
+PROCS: dict[str, subprocess.Popen] = {}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+def save(phase: str) -> None:
+    (OUT / f"{phase}.json").write_text(json.dumps(RESULTS.get(phase, {}), indent=1, default=str))
+
+
+# --- processes -----------------------------------------------------------------------------------------
+
+
+def start(name: str, argv: list[str], pythonpath: str, env: dict | None = None) -> subprocess.Popen:
+    e = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", **(env or {})}
+    e.pop("SGLANG_PLUGINS", None) if "SGLANG_PLUGINS" not in (env or {}) else None
+    f = open(LOGS / f"{name}.log", "ab")
+    p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=e, start_new_session=True)
+    PROCS[name] = p
+    return p
+
+
+def stop(name: str, timeout: float = 30) -> None:
+    p = PROCS.pop(name, None)
+    if p is None:
+        return
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # the server's scheduler and detokenizer children: our own group
+    except ProcessLookupError:
+        pass
+
+
+def stop_all() -> None:
+    for name in list(PROCS):
+        stop(name, 15)
+
+
+def tail(name: str, n: int = 40) -> str:
+    try:
+        return "\n".join((LOGS / f"{name}.log").read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def wait_health(name: str, port: int, timeout: float) -> float:
+    t = time.time()
+    while time.time() - t < timeout:
+        if PROCS[name].poll() is not None:
+            raise RuntimeError(f"{name} exited ({PROCS[name].returncode}):\n{tail(name, 60)}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return time.time() - t
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{name}: no /health after {timeout}s:\n{tail(name, 60)}")
+
+
+def redis_ping() -> bool:
+    from redis import Redis
+
+    try:
+        return bool(Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
+    except Exception:
+        return False
+
+
+def redis_up() -> None:
+    """One redis-server for all phases and calls (it outlives this process: run state stays for later phases)."""
+    if redis_ping():
+        return
+    start(
+        "redis",
+        [f"{S}/redis/bin/redis-server", "--port", REDIS_PORT, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        "",
+        {"LD_LIBRARY_PATH": f"{S}/redis/lib"},
+    )
+    PROCS.pop("redis")
+    for _ in range(100):
+        if redis_ping():
+            return
+        time.sleep(0.1)
+    raise RuntimeError("redis-server did not start:\n" + tail("redis"))
+
+
+def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: float = 420) -> float:
+    """Starts SGLang: with the plugin through eaglet's launch command, without it as plain launch_server."""
+    if plugin:
+        argv = [sys.executable, "-m", "services.inference.sglang_launch", "--model-path", str(model),
+                "--dump-dir", str(DUMPS), "--host", "127.0.0.1", "--port", str(SGL_PORT)] + extra + SGL_BASE
+        env = {"EAGLET_DUMP_DIR": str(DUMPS)}
+        pp = PY_SGL_PLUGIN
+    else:
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
+                "--port", str(SGL_PORT), "--disable-radix-cache"] + extra + SGL_BASE
+        env, pp = {}, PY_SGL_PLAIN
+    log(f"{name}: {' '.join(argv[1:])}")
+    start(name, argv, pp, env)
+    up = wait_health(name, SGL_PORT, timeout)
+    log(f"{name}: healthy after {up:.0f}s")
+    return up
+
+
+def reference(name: str, model: Path, *, dump: bool, timeout: float = 300) -> float:
+    argv = [sys.executable, "-m", "services.inference.main", "--port", str(REF_PORT)] + ([] if dump else ["--no-dump"])
+    env = {"EAGLET_MODEL": str(model), "EAGLET_DUMP_DIR": str(DUMPS), "EAGLET_DEVICE": "cuda", "EAGLET_DTYPE": "bfloat16",
+           "EAGLET_HOST": "127.0.0.1"}  # fmt: skip
+    log(f"{name}: reference server on {model}")
+    start(name, argv, PY_EAGLET, env)
+    up = wait_health(name, REF_PORT, timeout)
+    log(f"{name}: healthy after {up:.0f}s")
+    return up
+
+
+# --- data ----------------------------------------------------------------------------------------------
+
+
+def pretokenized(path: Path, lengths: list[int], vocab: int, seed: int) -> int:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i, n in enumerate(lengths):
+            ids = [rng.randrange(3, vocab) for _ in range(n)]
+            mask = [0] * (n // 2) + [1] * (n - n // 2)
+            f.write(json.dumps({"id": f"s{i:05d}", "input_ids": ids, "loss_mask": mask}) + "\n")
+    return sum(lengths)
+
+
+def eaglet_env(model: Path, port: int) -> dict:
+    return {"EAGLET_REDIS_URL": REDIS_URL, "EAGLET_DATA_DIR": str(DATA), "EAGLET_DUMP_DIR": str(DUMPS),
+            "EAGLET_MODEL": str(model), "EAGLET_INFERENCE_URL": f"http://127.0.0.1:{port}",
+            "EAGLET_REQUEST_TIMEOUT_S": "600", "EAGLET_DUMP_WAIT_S": "60"}  # fmt: skip
+
+
+def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, max_tokens: int, timeout: float) -> dict:
+    """The real thing: extractor worker processes, a run ingested and queued, waited on until complete."""
+    os.environ.update(eaglet_env(model, port))
+    sys.path[:0] = [str(REPO), f"{S}/esite"]
+    from redis import Redis
+
+    from services.ingest.ingest import IngestOptions
+    from services.ingest.jobs import start_run
+    from shared import heartbeats
+    from shared.config import Settings
+    from shared.keys import RunKeys
+    from shared.runstate import RunState
+
+    redis = Redis.from_url(REDIS_URL, decode_responses=True)
+    names = [f"{run_id}-w{i}" for i in range(workers)]
+    for n in names:
+        start(n, [sys.executable, "-m", "services.extractor.worker", "--name", n], PY_EAGLET, eaglet_env(model, port))
+    t = time.time()
+    while time.time() - t < 120:
+        alive = {w.get("worker") or w.get("name") for w in heartbeats.workers(redis)}
+        if sum(1 for n in names if n in alive) == workers or len(heartbeats.workers(redis)) >= workers:
+            break
+        time.sleep(0.5)
+    log(f"{run_id}: {workers} workers up in {time.time() - t:.0f}s")
+    t_start = time.time()
+    res = start_run(redis, Settings(), run_id, dataset, IngestOptions(max_tokens=max_tokens))
+    state = RunState(redis, run_id)
+    first = None
+    while time.time() - t_start < timeout:
+        c = redis.hgetall(RunKeys(run_id).counts)
+        done, failed = int(c.get("done", 0)), int(c.get("failed", 0))
+        if first is None and done:
+            first = time.time() - t_start
+        if state.extraction_complete() or done + failed >= res.samples:
+            break
+        time.sleep(0.05)
+    wall = time.time() - t_start
+    counts = redis.hgetall(RunKeys(run_id).counts)
+    failures = redis.hgetall(RunKeys(run_id).failures)
+    for n in names:
+        stop(n, 10)
+    out = {
+        "run": run_id, "workers": workers, "samples": res.samples, "tokens": res.tokens, "bad_lines": res.bad_lines,
+        "counts": counts, "failures": dict(list(failures.items())[:10]), "complete": state.extraction_complete(),
+        "wall_s": round(wall, 2), "first_done_s": first, "tokens_per_s": round(int(counts.get("tokens", 0)) / wall, 1),
+    }  # fmt: skip
+    log(f"{run_id}: {json.dumps(out)[:600]}")
+    return out
+
+
+def bench(port: int, prompts: list[list[int]], concurrency: int, rid_prefix: str, wait_dumps: bool) -> dict:
+    """Prefill throughput as a client sees it: max_new_tokens 1, `concurrency` requests in flight.
+    With eaglet rids the dump of each request is awaited and deleted (what a worker does, minus storage)."""
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600,
+                          limits=httpx.Limits(max_connections=concurrency + 4))  # fmt: skip
+    errors, missing = [], [0]
+
+    def one(i: int) -> int:
+        rid = f"{rid_prefix}{i}"
+        r = client.post("/generate", json={"input_ids": prompts[i], "rid": rid,
+                                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}})  # fmt: skip
+        if r.status_code != 200:
+            errors.append(f"{r.status_code} {r.text[:200]}")
+            return 0
+        if wait_dumps:
+            p = DUMPS / f"{rid}.safetensors"
+            t = time.time()
+            while not p.exists():
+                if time.time() - t > 60:
+                    missing[0] += 1
+                    return len(prompts[i])
+                time.sleep(0.002)
+            p.unlink()
+        return len(prompts[i])
+
+    t = time.time()
+    with ThreadPoolExecutor(concurrency) as ex:
+        tokens = sum(ex.map(one, range(len(prompts))))
+    wall = time.time() - t
+    return {"requests": len(prompts), "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+            "concurrency": concurrency, "errors": errors[:5], "n_errors": len(errors), "dumps_missing": missing[0]}  # fmt: skip
+
+
+def compare_with_reference(run_id: str, model: Path, limit: int | None = None) -> dict:
+    """Each stored sample (from SGLang's dumps) against the reference server's dump of the same prompt."""
+    import torch
+    from safetensors.torch import load_file
+
+    sys.path[:0] = [str(REPO)]
+    from shared.dumpfile import read_dump
+    from shared.samples import SampleSet
+    from shared.store import sample_path, samples_dir
+
+    samples = SampleSet(samples_dir(DATA, run_id))
+    client = httpx.Client(base_url=f"http://127.0.0.1:{REF_PORT}", timeout=600)
+    names = ["hidden_states", "aux_hidden_states[0]", "aux_hidden_states[1]", "aux_hidden_states[2]"]
+    agg = {n: {"max_abs": 0.0, "sum_abs": 0.0, "n": 0, "max_ref": 0.0, "cos_min": 1.0} for n in names}
+    per_sample, mismatched, missing = [], [], []
+    n_cmp = len(samples) if limit is None else min(limit, len(samples))
+    for i in range(n_cmp):
+        s = samples[i]
+        stored_path = sample_path(DATA, run_id, s.sample_id)
+        if not stored_path.exists():
+            missing.append(s.sample_id)
+            continue
+        stored = load_file(str(stored_path))
+        if stored["input_ids"].tolist() != s.input_ids.tolist():
+            mismatched.append(f"{s.sample_id}: input_ids differ")
+            continue
+        rid = f"eaglet:ref-{run_id}:{s.sample_id}:1"
+        r = client.post("/generate", json={"input_ids": s.input_ids.tolist(), "rid": rid,
+                                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}})  # fmt: skip
+        r.raise_for_status()
+        p = DUMPS / f"{rid}.safetensors"
+        for _ in range(3000):
+            if p.exists():
+                break
+            time.sleep(0.01)
+        ref = read_dump(p)
+        p.unlink()
+        h = ref.hidden_states.shape[-1]
+        pairs = {"hidden_states": (stored["hidden_states"], ref.hidden_states)}
+        for k in range(3):
+            pairs[f"aux_hidden_states[{k}]"] = (stored["aux_hidden_states"][:, k * h:(k + 1) * h],
+                                                 ref.aux_hidden_states[:, k * h:(k + 1) * h])  # fmt: skip
+        row = {"sample": s.sample_id, "tokens": len(s.input_ids)}
+        for n, (a, b) in pairs.items():
+            if a.shape != b.shape:
+                mismatched.append(f"{s.sample_id}: {n} shape {tuple(a.shape)} vs {tuple(b.shape)}")
+                continue
+            a32, b32 = a.float(), b.float()
+            d = (a32 - b32).abs()
+            cos = torch.nn.functional.cosine_similarity(a32, b32, dim=-1).min().item()
+            g = agg[n]
+            g["max_abs"] = max(g["max_abs"], d.max().item())
+            g["sum_abs"] += d.sum().item()
+            g["n"] += d.numel()
+            g["max_ref"] = max(g["max_ref"], b32.abs().max().item())
+            g["cos_min"] = min(g["cos_min"], cos)
+            row[n] = {"max_abs": round(d.max().item(), 5), "mean_abs": round(d.mean().item(), 6), "cos_min": round(cos, 5)}
+        per_sample.append(row)
+    summary = {
+        n: {"max_abs_diff": g["max_abs"], "mean_abs_diff": g["sum_abs"] / max(g["n"], 1),
+            "max_abs_ref": g["max_ref"], "min_cosine": g["cos_min"], "elements": g["n"]}
+        for n, g in agg.items()
+    }  # fmt: skip
+    return {"compared": len(per_sample), "missing": missing, "mismatched": mismatched, "per_tensor": summary,
+            "per_sample_first": per_sample[:12], "worst_samples": sorted(
+                per_sample, key=lambda r: -r.get("hidden_states", {}).get("max_abs", 0))[:5]}  # fmt: skip
+
+
+def plugin_lines(name: str) -> list[str]:
+    try:
+        lines = (LOGS / f"{name}.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    keys = ("eaglet", "EAGLE-3", "dump", "Traceback", "Error", "chunk")
+    return [ln[:300] for ln in lines if any(k in ln for k in keys)][:40]
+
+
+# --- phases --------------------------------------------------------------------------------------------
+
+
+def phase_extract(phase: str, model: Path, dataset: Path, *, n_workers: int, chunk: int, compare: bool,
+                  bench_prompts: list[list[int]] | None, max_tokens: int = 8192) -> None:  # fmt: skip
+    R = RESULTS.setdefault(phase, {})
+    redis_up()
+    DUMPS.mkdir(parents=True, exist_ok=True)
+    extra = ["--chunked-prefill-size", str(chunk), "--mem-fraction-static", "0.5", "--disable-cuda-graph"]
+    R["server"] = {"cmd": "python -m services.inference.sglang_launch --model-path M --dump-dir D "
+                          + " ".join(extra + SGL_BASE), "startup_s": sglang(f"{phase}-sgl", model, plugin=True, extra=extra)}  # fmt: skip
+    save(phase)
+    run_id = f"{phase}-{int(time.time())}"
+    R["pipeline"] = pipeline(run_id, model, dataset, SGL_PORT, n_workers, max_tokens, timeout=300)
+    R["run_id"] = run_id
+    save(phase)
+    if bench_prompts:
+        R["server_alone_plugin_loaded_no_dump"] = bench(SGL_PORT, bench_prompts, n_workers, f"bench-{phase}-", False)
+        R["server_with_dumps_client"] = bench(SGL_PORT, bench_prompts, n_workers, f"eaglet:bench-{phase}:s:", True)
+        log(f"{phase}: bench {R['server_alone_plugin_loaded_no_dump']} / {R['server_with_dumps_client']}")
+    R["plugin_log"] = plugin_lines(f"{phase}-sgl")
+    stop(f"{phase}-sgl")
+    save(phase)
+    if compare:
+        R["reference_startup_s"] = reference(f"{phase}-ref", model, dump=True)
+        R["comparison"] = compare_with_reference(run_id, model)
+        log(f"{phase}: comparison {json.dumps(R['comparison']['per_tensor'])}")
+        stop(f"{phase}-ref")
+        save(phase)
+
+
+def phase_smol() -> None:
+    model = MODELS / "smol"
+    subprocess.run([sys.executable, "bench/gpu/mkmodel.py", "smol", str(model), f"{S}/tokenizer"], check=True,
+                   env={**os.environ, "PYTHONPATH": PY_EAGLET})  # fmt: skip
+    rng = random.Random(1)
+    lengths = [int(16 * (3000 / 16) ** rng.random()) for _ in range(96)] + [256, 257, 512, 3000]
+    ds = ROOT / "smol.jsonl"
+    tokens = pretokenized(ds, lengths, 49152, seed=2)
+    RESULTS["smol"] = {"model": "SmolLM2-135M shape (hidden 576, 30 layers, 9/3 heads, vocab 49152), random bf16",
+                       "samples": len(lengths), "tokens": tokens, "min_len": min(lengths), "max_len": max(lengths),
+                       "chunked_prefill_size": 256,
+                       "long_prompts_split": sum(1 for n in lengths if n > 256)}  # fmt: skip
+    prompts = [json.loads(line)["input_ids"] for line in open(ds)]
+    phase_extract("smol", model, ds, n_workers=4, chunk=256, compare=True, bench_prompts=prompts)
+
+
+def phase_real() -> None:
+    model = MODELS / "smollm2"
+    gg = S / "gguf" / "model.gguf"
+    subprocess.run([sys.executable, "bench/gpu/mkmodel.py", "gguf", str(model), str(gg)], check=True,
+                   env={**os.environ, "PYTHONPATH": PY_EAGLET})  # fmt: skip
+    src = REPO / "data/demo/train.jsonl"
+    if not src.exists():
+        src = REPO / "data/demo/train.tmp"  # being regenerated: its complete lines
+    ds = ROOT / "real.jsonl"
+    lines = [ln for ln in src.read_text().splitlines() if ln.strip().endswith("}")]
+    ds.write_text("\n".join(lines) + "\n")
+    RESULTS["real"] = {"model": "SmolLM2-135M-Instruct (the bundled GGUF, dequantized, bf16)",
+                       "dataset": f"{src.relative_to(REPO)} ({len(lines)} conversations)", "chunked_prefill_size": 128}  # fmt: skip
+    phase_extract("real", model, ds, n_workers=4, chunk=128, compare=True, bench_prompts=None, max_tokens=2048)
+
+
+def phase_speed8b() -> None:
+    R = RESULTS.setdefault("speed8b", {})
+    model = MODELS / "l8b"
+    t = time.time()
+    subprocess.run([sys.executable, "bench/gpu/mkmodel.py", "8b", str(model), f"{S}/tokenizer"], check=True,
+                   env={**os.environ, "PYTHONPATH": PY_EAGLET})  # fmt: skip
+    R["model"] = "Llama-3-8B shape (hidden 4096, 32 layers, 32/8 heads, vocab 128256), random bf16"
+    R["model_build_s"] = round(time.time() - t, 1)
+    rng = random.Random(3)
+    n_req, length, conc = int(os.environ.get("N8B", "256")), 2048, 32
+    prompts = [[rng.randrange(3, 49152) for _ in range(length)] for _ in range(n_req)]
+    warm = prompts[:32]
+    extra = ["--chunked-prefill-size", "8192", "--mem-fraction-static", "0.8", "--cuda-graph-max-bs", "8"]
+    R["flags"] = " ".join(extra + SGL_BASE) + " (radix cache off in both)"
+    redis_up()
+    DUMPS.mkdir(parents=True, exist_ok=True)
+    # plugin off: plain SGLang
+    R["plain_startup_s"] = sglang("s8b-plain", model, plugin=False, extra=extra)
+    bench(SGL_PORT, warm, conc, "warm-", False)
+    R["plain"] = bench(SGL_PORT, prompts, conc, "plain-", False)
+    log(f"speed8b plain: {R['plain']}")
+    stop("s8b-plain")
+    save("speed8b")
+    # plugin on: eaglet's launch command, every request an eaglet rid (dumped, awaited, deleted)
+    R["plugin_startup_s"] = sglang("s8b-plugin", model, plugin=True, extra=extra)
+    bench(SGL_PORT, warm, conc, "eaglet:warm:s:", True)
+    R["plugin"] = bench(SGL_PORT, prompts, conc, "eaglet:b8:s:", True)
+    R["plugin_loaded_no_dump"] = bench(SGL_PORT, prompts[:128], conc, "nodump-", False)
+    R["ratio_plugin_on_off"] = round(R["plugin"]["tokens_per_s"] / R["plain"]["tokens_per_s"], 4)
+    log(f"speed8b plugin: {R['plugin']} ratio {R['ratio_plugin_on_off']}")
+    save("speed8b")
+    ds = ROOT / "l8b.jsonl"
+    n_pipe = int(os.environ.get("NPIPE8B", "192"))
+    pretokenized(ds, [length] * n_pipe, 49152, seed=4)
+    R["pipeline"] = pipeline(f"l8b-{int(time.time())}", model, ds, SGL_PORT, conc, 8192, timeout=400)
+    R["ratio_pipeline_vs_plain_server"] = round(R["pipeline"]["tokens_per_s"] / R["plain"]["tokens_per_s"], 4)
+    R["ratio_pipeline_vs_plugin_server"] = round(R["pipeline"]["tokens_per_s"] / R["plugin"]["tokens_per_s"], 4)
+    R["plugin_log"] = plugin_lines("s8b-plugin")
+    stop("s8b-plugin")
+    save("speed8b")
+    R["disk"] = disk_probe()
+    save("speed8b")
+
+
+def disk_probe() -> dict:
+    """Write bandwidth of the data disk with fsync (128 MiB files), the pipeline's other ceiling."""
+    buf = os.urandom(128 << 20)
+    DATA.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    for i in range(8):
+        with open(DATA / f"probe{i}", "wb") as f:
+            f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+    wall = time.time() - t
+    for i in range(8):
+        (DATA / f"probe{i}").unlink()
+    return {"fsync_write_GBps": round(8 * len(buf) / wall / 1e9, 3)}
+
+
+def phase_ref8b() -> None:
+    R = RESULTS.setdefault("ref8b", {})
+    model = MODELS / "l8b"
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(2048)] for _ in range(96)]
+    redis_up()
+    R["startup_no_dump_s"] = reference("r8b-nodump", model, dump=False)
+    bench(REF_PORT, prompts[:16], 32, "warm-", False)
+    R["server_alone"] = bench(REF_PORT, prompts, 32, "eaglet:r8b:s:", False)
+    stop("r8b-nodump")
+    save("ref8b")
+    R["startup_dump_s"] = reference("r8b-dump", model, dump=True)
+    ds = ROOT / "r8b.jsonl"
+    pretokenized(ds, [2048] * 96, 49152, seed=6)
+    R["pipeline"] = pipeline(f"r8b-{int(time.time())}", model, ds, REF_PORT, 32, 8192, timeout=300)
+    R["ratio_pipeline_vs_server"] = round(R["pipeline"]["tokens_per_s"] / R["server_alone"]["tokens_per_s"], 4)
+    stop("r8b-dump")
+    save("ref8b")
+
+
+def phase_train8b() -> None:
+    R = RESULTS.setdefault("train8b", {})
+    run_id = RESULTS.get("speed8b", {}).get("pipeline", {}).get("run") or os.environ.get("TRAIN8B_RUN")
+    steps = os.environ.get("TRAIN8B_STEPS", "30")
+    argv = [sys.executable, "bench/gpu/train_probe.py", "--run", run_id, "--max-steps", steps, "--ttt-steps", "7",
+            "--max-len", "2048", "--max-tokens", os.environ.get("TRAIN8B_TOKENS", "16384"), "--workers", "2",
+            "--checkpoint-every", "100000", "--heldout-fraction", "0.02"]  # fmt: skip
+    R["cmd"] = " ".join(argv[1:])
+    start("train8b", argv, PY_EAGLET, {**eaglet_env(MODELS / "l8b", SGL_PORT), "PROBE_OUT": str(OUT / "train8b-probe.json")})
+    PROCS["train8b"].wait(timeout=float(os.environ.get("TRAIN8B_TIMEOUT", "300")))
+    R["rc"] = PROCS["train8b"].returncode
+    R["log_tail"] = tail("train8b", 30)
+    try:
+        R["probe"] = json.loads((OUT / "train8b-probe.json").read_text())
+    except OSError:
+        pass
+    stop("train8b")
+    save("train8b")
+
+
+def phase_drafter() -> None:
+    R = RESULTS.setdefault("drafter", {})
+    src = "real" if "run_id" in RESULTS.get("real", {}) else "smol"
+    run_id = RESULTS[src]["run_id"]
+    model = MODELS / ("smollm2" if src == "real" else "smol")
+    R["trained_on"] = {"phase": src, "run": run_id, "model": str(model)}
+    argv = [sys.executable, "bench/gpu/train_probe.py", "--run", run_id, "--epochs", os.environ.get("DRAFT_EPOCHS", "20"),
+            "--ttt-steps", "7", "--max-len", "2048", "--max-tokens", "16384", "--draft-vocab-size", "8192",
+            "--lr", "3e-4", "--workers", "2", "--checkpoint-every", "100000", "--heldout-fraction", "0.05"]  # fmt: skip
+    R["train_cmd"] = " ".join(argv[1:])
+    start("draft-train", argv, PY_EAGLET, {**eaglet_env(model, SGL_PORT), "PROBE_OUT": str(OUT / "drafter-probe.json")})
+    PROCS["draft-train"].wait(timeout=float(os.environ.get("DRAFT_TRAIN_TIMEOUT", "200")))
+    R["train_rc"] = PROCS["draft-train"].returncode
+    R["train_log_tail"] = tail("draft-train", 12)
+    stop("draft-train")
+    save("drafter")
+    ddir = DATA / "runs" / run_id / "drafter"
+    R["drafter_config"] = json.loads((ddir / "config.json").read_text())
+    extra = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(ddir),
+             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+             "--mem-fraction-static", "0.5", "--cuda-graph-max-bs", "8"]  # fmt: skip
+    R["server_flags"] = " ".join(extra + SGL_BASE)
+    R["startup_s"] = sglang("draft-sgl", model, plugin=False, extra=extra, timeout=400)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [json.loads(line) for line in open(REPO / "data/demo/eval.jsonl")][:32]
+    client = httpx.Client(base_url=f"http://127.0.0.1:{SGL_PORT}", timeout=300)
+    native = []
+    t = time.time()
+    for p in prompts:
+        msgs = [m for m in p["messages"] if m["role"] == "user"][:1]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        r = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 128, "temperature": 0}})
+        if r.status_code == 200:
+            m = r.json()["meta_info"]
+            native.append({k: v for k, v in m.items() if k.startswith("spec") or k in ("completion_tokens", "prompt_tokens")})
+        else:
+            native.append({"error": r.text[:300]})
+    R["decode_wall_s"] = round(time.time() - t, 2)
+    R["native"] = native
+    ok = [n for n in native if n.get("spec_verify_ct")]
+    acc = [n["completion_tokens"] / n["spec_verify_ct"] for n in ok]
+    R["acceptance_length_mean"] = round(sum(acc) / len(acc), 4) if acc else None
+    R["acceptance_length_tokens_over_verifies"] = (
+        round(sum(n["completion_tokens"] for n in ok) / sum(n["spec_verify_ct"] for n in ok), 4) if ok else None
+    )
+    try:
+        info = client.get("/get_server_info").json()
+        R["server_info_accept"] = {k: v for k, v in info.get("internal_states", [{}])[0].items() if "accept" in k}
+    except Exception as e:
+        R["server_info_accept"] = repr(e)
+    R["server_log_accept_lines"] = [ln for ln in tail("draft-sgl", 400).splitlines() if "accept len" in ln][-8:]
+    stop("draft-sgl")
+    save("drafter")
+
+
+PHASES = {"models": phase_models, "smol": phase_smol, "real": phase_real, "speed8b": phase_speed8b, "ref8b": phase_ref8b,
+          "train8b": phase_train8b, "drafter": phase_drafter}  # fmt: skip
+
+
+ESTIMATE_S = {"smol": 200, "real": 180, "speed8b": 300, "ref8b": 150, "train8b": 120, "drafter": 200, "models": 60}
+
+
+def phase_models() -> None:
+    """Builds the random-weight models ahead (the 8B one is 16 GB), while the rest is still being sent."""
+    R = RESULTS.setdefault("models", {})
+    for kind, name in (("smol", "smol"), ("8b", "l8b")):
+        t = time.time()
+        subprocess.run([sys.executable, "bench/gpu/mkmodel.py", kind, str(MODELS / name), f"{S}/tokenizer"], check=True)
+        R[name] = round(time.time() - t, 1)
+
+
+def main() -> int:
+    state = ROOT / "issue9-results.json"
+    if state.exists():
+        RESULTS.update(json.loads(state.read_text()))
+    rc = 0
+    deadline = float(os.environ.get("ISSUE9_DEADLINE_S", "1e9"))
+    try:
+        for phase in sys.argv[1:]:
+            log(f"=== {phase}")
+            if phase in PHASES and time.time() - T0 + ESTIMATE_S.get(phase, 60) > deadline:
+                RESULTS.setdefault(phase, {})["skipped"] = f"not started: {time.time() - T0:.0f}s gone of {deadline:.0f}s"
+                log(f"{phase}: skipped, out of time")
+                continue
+            try:
+                PHASES[phase]()
+            except Exception as e:
+                import traceback
+
+                rc = 1
+                RESULTS.setdefault(phase, {})["error"] = f"{type(e).__name__}: {e}"
+                RESULTS[phase]["traceback"] = traceback.format_exc()[-3000:]
+                log(f"{phase} FAILED: {traceback.format_exc()[-3000:]}")
+                stop_all()
+            finally:
+                RESULTS.setdefault(phase, {})["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                save(phase)
+                state.write_text(json.dumps(RESULTS, default=str))
+    finally:
+        stop_all()
+        with tarfile.open(OUT / "logs.tgz", "w:gz") as t:
+            for f in LOGS.glob("*.log"):
+                t.add(f, arcname=f.name)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# run.sh "PARTS" [PHASE...]: on the GPU machine, from the repo root. Installs the staged parts named in PARTS
+# (bench/gpu/install.sh), prints the machine's facts the first time, then runs bench/gpu/issue9.py's phases.
+# Results: $OUT/<phase>.json, $OUT/issue9.log, $OUT/logs.tgz (server, worker and trainer logs).
+set -u
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"; export OUT
+bash bench/gpu/install.sh $1 2>&1 | tee -a "$OUT/install.log"
+shift
+if [ ! -f /root/stage/info.done ]; then
+  { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; uname -r
+    python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"
+    df -h /dev/shm /root | tail -2; nproc; free -g | head -2
+    LD_LIBRARY_PATH=/root/stage/redis/lib /root/stage/redis/bin/redis-server --version
+    PYTHONPATH= python3 -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|tokenizers|safetensors|numpy|httpx|aiohttp|requests|rich|pydantic|fastapi|uvicorn|accelerate|gguf|click|python-dateutil|prometheus.client|psutil|uvloop) '
+  } 2>&1 | tee "$OUT/machine.txt"
+  touch /root/stage/info.done
+fi
+[ $# -gt 0 ] || exit 0
+export PYTHONPATH=$PWD:/root/stage/esite:/root/stage/site PYTHONUNBUFFERED=1
+timeout ${ISSUE9_TIMEOUT:-570} python3 bench/gpu/issue9.py "$@" 2>&1 | tee "$OUT/issue9.log"
