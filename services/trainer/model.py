@@ -138,15 +138,19 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
     so memory stays O(T * steps) however long the sample (compiled on GPU)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    B, _, T, _ = q.shape
+    T = q.shape[2]
     steps = len(ks)
     key = (T, steps, q.device)
     if key not in _flex_masks:
+        # T as a tensor, not a Python int: the compiled kernel takes it as an input instead of recompiling per length
+        length = torch.tensor(T, device=q.device)
 
         def mask_mod(b, h, q_idx, kv_idx):
-            j, s = kv_idx // T, kv_idx % T
+            j, s = kv_idx // length, kv_idx % length
             return ((j == 0) & (s <= q_idx)) | ((j > 0) & (s == q_idx))
 
+        if len(_flex_masks) > 256:
+            _flex_masks.clear()
         _flex_masks[key] = create_block_mask(mask_mod, None, None, T, T * steps, device=q.device)
     return _flex_attention()(q, torch.cat(ks, 2), torch.cat(vs, 2), block_mask=_flex_masks[key])
 
@@ -155,11 +159,11 @@ _compiled_flex = None
 
 
 def _flex_attention():
-    global _compiled_flex  # compiled once per process: compiling per call would recompile every step
+    global _compiled_flex  # compiled once per process, with dynamic shapes: every length and step count shares it
     from torch.nn.attention.flex_attention import flex_attention
 
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+        _compiled_flex = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
     return _compiled_flex
 
 
