@@ -6,6 +6,9 @@ drafter and measures its acceptance length. Ends by saying where everything is.
 """
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,11 +21,16 @@ from services.ingest.ingest import IngestOptions
 from services.ingest.jobs import start_run
 from shared.config import Settings
 from shared.runstate import RunState, Stage
-from shared.store import hidden_dir, run_dir
+from shared.keys import RunKeys
+from shared.store import drafter_dir, hidden_dir, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TRAIN = ROOT / "data" / "demo" / "train.jsonl"
 DEMO_EVAL = ROOT / "data" / "demo" / "eval.jsonl"
+# Sized for a 2-core CPU: a few minutes of training, a short evaluation. A GPU run uses the defaults.
+DEMO_TRAIN_FLAGS = ["--ttt-steps", "3", "--draft-vocab-size", "4096", "--epochs", "2", "--max-len", "512"]
+DEMO_TRAIN_FLAGS += ["--max-tokens", "4096", "--workers", "0", "--checkpoint-every", "25", "--lr", "3e-4"]
+DEMO_EVAL_FLAGS = ["--eval-k", "3", "--eval-max-new-tokens", "64", "--eval-num-prompts", "20"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--limit", type=int, help="use only the first N conversations")
     parser.add_argument("--port", type=int, default=30000, help="the inference server's port")
+    parser.add_argument("--gateway-port", type=int, default=8000)
+    parser.add_argument("--max-steps", type=int, default=0, help="cap the training steps (0: the epochs decide)")
     args = parser.parse_args(argv)
     console = Console()
     settings = Settings(inference_url=f"http://127.0.0.1:{args.port}")
@@ -39,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         stack.ensure_redis(settings.redis_url, Path("var/redis"))
         redis = Redis.from_url(settings.redis_url, decode_responses=True)
         console.print(f"[bold]eaglet demo[/] run [cyan]{run_id}[/]: starting the inference server on {settings.model}")
+        stack.start("gateway", "services.gateway.main", "--port", str(args.gateway_port))
         stack.start("inference", "services.inference.main", "--port", str(args.port))
         stack.wait_http("inference", f"{settings.inference_url}/health", timeout=300)
+        stack.wait_http("gateway", f"http://127.0.0.1:{args.gateway_port}/status", timeout=60)
+        console.print(f"live status: http://127.0.0.1:{args.gateway_port}/  (JSON: /status, Prometheus: /metrics)")
         for i in range(args.workers):
             stack.start(f"worker-{i}", "services.extractor.worker", "--name", f"demo-worker-{i}")
         result = start_run(redis, settings, run_id, DEMO_TRAIN, IngestOptions(max_tokens=2048, limit=args.limit))
@@ -51,7 +64,24 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.workers):
             stack.stop(f"worker-{i}")
         _report_extraction(console, state, settings)
-    return 0 if state.stage() not in (Stage.failed, Stage.cancelled) else 1
+        trained = _train_and_evaluate(console, run_id, args.max_steps, stack.log_dir)
+        _report_training(console, redis, state, settings)
+    return 0 if trained and state.stage() == Stage.done else 1
+
+
+def _train_and_evaluate(console: Console, run_id: str, max_steps: int, log_dir: Path) -> bool:
+    """The trainer in its own process, as in production (where torchrun starts it on the GPUs)."""
+    console.print("training the drafter (the trainer saw the completion flag), then evaluating it")
+    flags = [*DEMO_TRAIN_FLAGS, "--max-steps", str(max_steps), "--eval-prompts", str(DEMO_EVAL), *DEMO_EVAL_FLAGS]
+    with open(log_dir / "trainer.log", "ab") as log:
+        done = subprocess.run(
+            [sys.executable, "-m", "services.trainer.main", "--run", run_id, *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    if done.returncode != 0:
+        console.print(f"[red]training failed[/]: see {log_dir / 'trainer.log'}")
+    return done.returncode == 0
 
 
 def _follow_extraction(console: Console, state: RunState, total: int) -> None:
@@ -79,3 +109,22 @@ def _report_extraction(console: Console, state: RunState, settings: Settings) ->
         f"{nbytes / max(tokens, 1):.0f} bytes per token"
     )
     console.print(f"run directory: {run_dir(settings.data_dir, state.run_id)}")
+
+
+def _report_training(console: Console, redis: Redis, state: RunState, settings: Settings) -> None:
+    train, result = redis.hgetall(RunKeys(state.run_id).train), redis.hgetall(RunKeys(state.run_id).eval)
+    if train:
+        console.print(
+            f"training: {train.get('step')} steps on {train.get('train_samples')} samples, "
+            f"loss {float(train.get('loss', 'nan')):.3f}, {float(train.get('tokens_per_s', 0)):.0f} tokens/s"
+        )
+    console.print(f"drafter (loads in SGLang and vLLM as EAGLE-3): {drafter_dir(settings.data_dir, state.run_id)}")
+    if result:
+        per_position = json.loads(result.get("accept_rate", "[]"))
+        console.print(
+            f"[bold green]acceptance length {float(result.get('accept_length', 0)):.2f}[/] "
+            f"(k={result.get('k')}, {result.get('prompts')} held-out prompts; outputs equal plain greedy: "
+            f"{'yes' if result.get('mismatches') == '0' else 'NO'}; "
+            f"per position {', '.join(f'{p:.2f}' for p in per_position)}; "
+            f"speed-up vs the target alone {float(result.get('speedup', 0)):.2f}x)"
+        )
