@@ -10,6 +10,12 @@ job's worker by eaglet's own heartbeats: the job's RQ worker name carries the pr
 owns the job: it clears the sample's in-flight entry and its partial file, then queues it again, unless
 the sample's worker has died ``max_lost`` times, in which case the sample is recorded as failed.
 
+A worker that listens to several queues takes a job with LPOP, and puts it in the started registry only
+a moment later: killed in between, the job is in no queue and no registry, and RQ never sees it again.
+Those are found when a run has nothing queued, started or in flight for ``lost_after_s`` yet samples
+without an outcome: the done and failed bitmaps are read once (total/8 bytes) and the missing samples
+queued again.
+
 Samples that RQ found abandoned first (a worker that is not eaglet's, or no sweeper for an hour) are
 noted by the failure callback in ``RunKeys.abandoned`` and queued again from the FailedJobRegistry here.
 """
@@ -18,8 +24,9 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 from redis import Redis
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job
@@ -27,7 +34,7 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.utils import parse_composite_key
 
 from shared import keys
-from shared.jobqueue import enqueue_samples, job_id
+from shared.jobqueue import enqueue_samples, job_id, run_queue
 from shared.keys import RunKeys, queue_name
 from shared.runstate import RunState
 
@@ -57,6 +64,7 @@ class Reaper:
     max_lost: int
     sample_id_of: Callable[[str, int], str]  # (run, index) -> sample id, for the failure record
     partial_of: Callable[[str, int, str], None]  # (run, index, instance): removes that instance's temp file
+    _idle_since: dict[str, float] = field(default_factory=dict)  # run -> when it was first seen with nothing running
 
     def sweep(self, run_ids: list[str]) -> dict[str, int]:
         """One pass over the runs' started jobs; returns how many were queued again and failed."""
@@ -71,7 +79,35 @@ class Reaper:
                     outcome[what] += 1
             for what in self._requeue_rq_abandoned(run_id):
                 outcome[what] += 1
+            for what in self._requeue_lost(run_id, registry):
+                outcome[what] += 1
         return outcome
+
+    def _requeue_lost(self, run_id: str, registry: StartedJobRegistry) -> list[str]:
+        k = RunKeys(run_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(k.meta, "total")
+        pipe.hmget(k.counts, "done", "failed")
+        pipe.hlen(k.inflight)
+        pipe.scard(k.abandoned)
+        total, (done, failed), in_flight, abandoned = pipe.execute()
+        busy = run_queue(self.rq_redis, run_id).count or self.rq_redis.zcard(registry.key)
+        if total is None or int(done or 0) + int(failed or 0) >= int(total) or busy or in_flight or abandoned:
+            self._idle_since.pop(run_id, None)
+            return []
+        since = self._idle_since.setdefault(run_id, time.monotonic())
+        if time.monotonic() - since < self.lost_after_s:
+            return []  # a job may be between LPOP and the started registry in a live worker: look again later
+        self._idle_since.pop(run_id, None)
+        scratch = f"{k.done}:or:{time.time_ns()}"
+        pipe = self.rq_redis.pipeline()
+        pipe.bitop("OR", scratch, k.done, k.failed)
+        pipe.get(scratch)
+        pipe.delete(scratch)
+        bitmap = pipe.execute()[1] or b""
+        bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8))[: int(total)]  # Redis bitmaps are big-endian
+        missing = np.flatnonzero(bits == 0).tolist() + list(range(len(bits), int(total)))
+        return [self._abandoned(run_id, int(i), "its job was lost (a worker died as it took it)") for i in missing]
 
     def _check(self, run_id: str, registry: StartedJobRegistry, entry: str, beats: dict, now: float) -> str:
         jid, _ = parse_composite_key(entry)

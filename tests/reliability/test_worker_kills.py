@@ -1,0 +1,115 @@
+"""Workers killed with SIGKILL during a run: their jobs are queued again and nothing is lost or doubled."""
+
+import json
+import logging
+import random
+import signal
+import time
+
+import pytest
+
+from cli.stack import LocalStack
+from services.inference.engine import ReferenceEngine
+from services.ingest.ingest import IngestOptions
+from services.ingest.jobs import start_run
+from shared import keys
+from shared.runstate import RunState
+from tests.reliability.faulty_server import FaultyServer
+from tests.reliability.helpers import check_outcome, env_of, free_port, write_dataset
+
+log = logging.getLogger(__name__)
+pytestmark = pytest.mark.slow
+KILLS = 12
+
+
+def requeued_errors(redis, run_id: str) -> list[dict]:
+    errors = [json.loads(e) for e in redis.lrange(RunState(redis, run_id).keys.errors, 0, -1)]
+    return [e for e in errors if "died while extracting" in e["reason"]]
+
+
+def test_workers_killed_at_random_moments_lose_nothing(redis, settings, tmp_path, events):
+    n, run_id = 150, "chaos"
+    settings = settings.model_copy(update={"max_attempts": 8})  # a sample hit by several kills is still done
+    write_dataset(tmp_path / "data.jsonl", n, min_len=200)
+    rng = random.Random(20240607)
+    names = ["w0", "w1", "w2"]
+    kills, busy_kills, renamed = 0, 0, 0
+    with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
+        for name in names:
+            stack.start(name, "services.extractor.worker", "--name", name)
+        start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
+        state = RunState(redis, run_id)
+        deadline = time.monotonic() + 240
+        while not state.extraction_complete():
+            assert time.monotonic() < deadline, f"not complete: {state.counts()}"
+            time.sleep(rng.uniform(0.3, 2.0))
+            if kills >= KILLS or state.counts()["done"] >= n - 10:
+                continue
+            # Mostly a worker with a sample in flight (by the run state), sometimes any: a kill may land
+            # anywhere in a job, between jobs, or while the worker is still starting.
+            holding = [json.loads(v)["worker"] for v in redis.hvals(state.keys.inflight)]
+            holding = [w for w in holding if w in names]
+            name = rng.choice(holding) if holding and rng.random() < 0.8 else rng.choice(names)
+            beat = json.loads(redis.hget(keys.WORKERS, name) or "{}")
+            stack.procs[name].send_signal(signal.SIGKILL)
+            stack.procs[name].wait(10)
+            kills += 1
+            busy_kills += name in holding or beat.get("state") == "busy"
+            if kills % 2:  # restarted under the same name: a new instance
+                stack.start(name, "services.extractor.worker", "--name", name)
+            else:  # replaced by a worker of another name: the old one's heartbeat goes stale
+                renamed += 1
+                names[names.index(name)] = new = f"{name}r{kills}"
+                stack.start(new, "services.extractor.worker", "--name", new)
+        counts = check_outcome(redis, settings, run_id, n)
+    requeued = requeued_errors(redis, run_id)
+    log.warning(
+        "worker kills: %d SIGKILLs (%d of a worker holding a sample, %d replaced under a new name); "
+        "%d abandoned jobs queued again; done %d, failed %d, retries %d",
+        kills, busy_kills, renamed, len(requeued), counts["done"], counts["failed"], counts["retries"],
+    )  # fmt: skip
+    assert kills == KILLS
+    assert counts["failed"] == 0 and counts["done"] == n
+    assert requeued, "no kill hit a job in flight: the test proved nothing"
+    assert events.count(run_id, "extraction_complete") == 1
+
+
+def test_a_sample_that_kills_its_worker_every_time_ends_failed_with_the_reason(
+    redis, settings, tmp_path, tiny_model_dir, events
+):
+    """The prefill of sample p-3 never returns; each time its worker is seen on it, the worker is killed."""
+    engine = ReferenceEngine(tiny_model_dir, device="cpu")
+    server = FaultyServer(engine, tmp_path / "dump", lambda sample_id, attempt: "hang" if sample_id == "p-3" else None)
+    port = free_port()
+    stop_server = server.serve(port)
+    settings = settings.model_copy(
+        update={"inference_url": f"http://127.0.0.1:{port}", "dump_dir": tmp_path / "dump", "max_attempts": 3}
+    )
+    n, run_id = 8, "poison"
+    write_dataset(tmp_path / "data.jsonl", n, prefix="p")
+    kills = 0
+    try:
+        with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
+            stack.start("w0", "services.extractor.worker", "--name", "w0")
+            start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
+            state = RunState(redis, run_id)
+            deadline = time.monotonic() + 120
+            while not state.extraction_complete():
+                assert time.monotonic() < deadline, f"not complete: {state.counts()}"
+                beat = json.loads(redis.hget(keys.WORKERS, "w0") or "{}")
+                if beat.get("sample") == "p-3" and beat.get("state") == "busy" and server.hanging.is_set():
+                    server.hanging.clear()
+                    stack.procs["w0"].send_signal(signal.SIGKILL)
+                    stack.procs["w0"].wait(10)
+                    kills += 1
+                    stack.start("w0", "services.extractor.worker", "--name", "w0")
+                time.sleep(0.05)
+            counts = check_outcome(redis, settings, run_id, n)
+    finally:
+        stop_server()
+    failure = json.loads(redis.hget(state.keys.failures, "3"))
+    log.warning("poison sample: %d kills; failure: %s", kills, failure["reason"])
+    assert (counts["done"], counts["failed"]) == (n - 1, 1)
+    assert kills == 3 and "died while extracting it, 3 times: given up" in failure["reason"]
+    assert failure["sample_id"] == "p-3"
+    assert events.count(run_id, "extraction_complete") == 1
