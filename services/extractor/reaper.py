@@ -60,6 +60,7 @@ class Reaper:
 
     redis: Redis
     rq_redis: Redis
+    instance: str  # this process: its own jobs are alive whatever its heartbeat says
     lost_after_s: float
     max_lost: int
     sample_id_of: Callable[[str, int], str]  # (run, index) -> sample id, for the failure record
@@ -129,6 +130,8 @@ class Reaper:
 
     def _alive(self, owner: tuple[str, str], beats: dict, now: float) -> bool:
         name, instance = owner
+        if instance == self.instance:
+            return True
         beat = beats.get(name)
         if beat is None or beat.get("instance") != instance or beat.get("state") == "stopped":
             return False

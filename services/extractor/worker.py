@@ -72,6 +72,7 @@ def make_reaper(extractor: Extractor, rq_redis: Redis, settings: Settings) -> Re
     return Reaper(
         redis=extractor.redis,
         rq_redis=rq_redis,
+        instance=extractor.instance,
         lost_after_s=LOST_HEARTBEATS * settings.heartbeat_interval_s,
         max_lost=settings.max_attempts,
         sample_id_of=sample_id_of,
@@ -90,7 +91,8 @@ def heartbeat_loop(
 ) -> None:
     """Beats, and sweeps for jobs of dead workers: here, not between jobs, since a busy worker's RQ loop
     may not come back for a thousand jobs."""
-    http = httpx.Client(base_url=settings.inference_url, timeout=5)
+    # A probe slower than a heartbeat is an unhealthy server, and must not make this worker's beats late.
+    http = httpx.Client(base_url=settings.inference_url, timeout=min(5.0, settings.heartbeat_interval_s))
     # Others' heartbeats are judged only once Redis has answered for a while: right after an outage
     # every heartbeat is old, and the workers are not dead.
     redis_ok_since = time.monotonic()

@@ -51,7 +51,7 @@ class FaultyServer:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         self.injected: dict[str, int] = {}
         self.hanging = threading.Event()  # set while a request hangs (fault "hang")
-        self.lock = threading.Lock()
+        self.lock = asyncio.Lock()
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -67,7 +67,7 @@ class FaultyServer:
             if fault == "hang":
                 self.hanging.set()
                 await asyncio.sleep(3600)  # a request that kills its worker: the test kills it while it waits
-            with self.lock:  # one forward at a time, as the engine expects
+            async with self.lock:  # one forward at a time, as the engine expects
                 prefill = await asyncio.to_thread(self.engine.prefill, [req.input_ids])
             if fault is not None:
                 self.injected[fault] = self.injected.get(fault, 0) + 1

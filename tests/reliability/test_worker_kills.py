@@ -7,15 +7,19 @@ import signal
 import time
 
 import pytest
+from redis import Redis
+from rq import Queue
 
 from cli.stack import LocalStack
 from services.inference.engine import ReferenceEngine
 from services.ingest.ingest import IngestOptions
 from services.ingest.jobs import start_run
 from shared import keys
+from shared.jobqueue import run_queue
+from shared.keys import CONTROL_QUEUE
 from shared.runstate import RunState
 from tests.reliability.faulty_server import FaultyServer
-from tests.reliability.helpers import check_outcome, env_of, free_port, write_dataset
+from tests.reliability.helpers import check_outcome, env_of, free_port, wait_for, write_dataset
 
 log = logging.getLogger(__name__)
 pytestmark = pytest.mark.slow
@@ -112,4 +116,24 @@ def test_a_sample_that_kills_its_worker_every_time_ends_failed_with_the_reason(
     assert (counts["done"], counts["failed"]) == (n - 1, 1)
     assert kills == 3 and "died while extracting it, 3 times: given up" in failure["reason"]
     assert failure["sample_id"] == "p-3"
+    assert events.count(run_id, "extraction_complete") == 1
+
+
+def test_a_job_taken_by_a_worker_that_died_before_starting_it_is_found(redis, settings, tmp_path, events):
+    """The worker's LPOP happened, its started-registry entry never did: the job is in no queue and no registry."""
+    n, run_id = 6, "lpop"
+    write_dataset(tmp_path / "data.jsonl", n, prefix="l")
+    start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
+    rq_redis = Redis.from_url(settings.redis_url)
+    queue = run_queue(rq_redis, run_id)
+    job, _ = Queue.dequeue_any([Queue(CONTROL_QUEUE, connection=rq_redis), queue], None, connection=rq_redis)
+    taken = job.args[1]  # and the worker that took it dies here
+    with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
+        stack.start("w0", "services.extractor.worker", "--name", "w0")
+        state = RunState(redis, run_id)
+        wait_for("the run to complete", state.extraction_complete, 60)
+    counts = check_outcome(redis, settings, run_id, n)
+    assert counts["done"] == n
+    lost = [json.loads(e) for e in redis.lrange(state.keys.errors, 0, -1) if "job was lost" in e]
+    assert [e["index"] for e in lost] == [taken]
     assert events.count(run_id, "extraction_complete") == 1
