@@ -38,3 +38,8 @@ format: install
 
 clean:
 	rm -rf var
+
+# The Docker Compose stack end to end, from the image builds to a trained drafter (needs a Docker engine; not in CI).
+.PHONY: compose-smoke
+compose-smoke:
+	bash scripts/compose-smoke
