@@ -20,8 +20,8 @@ from cli.stack import LocalStack
 from services.ingest.ingest import IngestOptions
 from services.ingest.jobs import start_run
 from shared.config import Settings
-from shared.runstate import RunState, Stage
 from shared.keys import RunKeys
+from shared.runstate import RunState, Stage
 from shared.store import drafter_dir, hidden_dir, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +36,7 @@ DEMO_EVAL_FLAGS = ["--eval-k", "3", "--eval-max-new-tokens", "64", "--eval-num-p
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eaglet demo", description=__doc__)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--dataset", type=Path, default=DEMO_TRAIN, help="conversations to train on (JSONL)")
     parser.add_argument("--limit", type=int, help="use only the first N conversations")
     parser.add_argument("--port", type=int, default=30000, help="the inference server's port")
     parser.add_argument("--gateway-port", type=int, default=8000)
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"live status: http://127.0.0.1:{args.gateway_port}/  (JSON: /status, Prometheus: /metrics)")
         for i in range(args.workers):
             stack.start(f"worker-{i}", "services.extractor.worker", "--name", f"demo-worker-{i}")
-        result = start_run(redis, settings, run_id, DEMO_TRAIN, IngestOptions(max_tokens=2048, limit=args.limit))
+        result = start_run(redis, settings, run_id, args.dataset, IngestOptions(max_tokens=2048, limit=args.limit))
         console.print(f"ingested {result.samples} samples, {result.tokens} tokens ({result.bad_lines} bad lines)")
         state = RunState(redis, run_id)
         _follow_extraction(console, state, result.samples)
