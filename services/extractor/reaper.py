@@ -116,12 +116,19 @@ class Reaper:
             job = Job.fetch(jid, connection=self.rq_redis)
         except NoSuchJobError:
             return "gone"
+        run, index = job.args
+        started = job.started_at.timestamp() if job.started_at else now
+        if now - started > self.lost_after_s and RunState(self.redis, run).has_outcome(int(index)):
+            # Its sample was marked, but RQ could not record the job's end (Redis went away in between): a
+            # stale entry, whoever owns it, that would hold the run's lost-job check below forever.
+            if self.rq_redis.zrem(registry.key, entry):
+                job.delete()
+            return "stale"
         owner = owner_of(job.worker_name or "")
         if owner is None or self._alive(owner, beats, now):
             return "alive"
         if not self.rq_redis.zrem(registry.key, entry):
             return "taken"  # another worker's sweep got it first
-        run, index = job.args
         name, instance = owner
         what = self._abandoned(run, int(index), f"worker {name} died while extracting it", instance)
         if what != "requeued":
