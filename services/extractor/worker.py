@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True, decode_responses=True)
     status = Status()
     settings.dump_dir.mkdir(parents=True, exist_ok=True)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)  # the heartbeat reports its free space from the start
     extractor = Extractor(
         redis=redis,
         http=httpx.Client(base_url=settings.inference_url, timeout=settings.request_timeout_s),
