@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -131,7 +130,17 @@ def redis_up() -> None:
         return
     start(
         "redis",
-        [f"{S}/redis/bin/redis-server", "--port", REDIS_PORT, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        [
+            f"{S}/redis/bin/redis-server",
+            "--port",
+            REDIS_PORT,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
         "",
         {"LD_LIBRARY_PATH": f"{S}/redis/lib"},
     )
@@ -146,13 +155,42 @@ def redis_up() -> None:
 def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: float = 420) -> float:
     """Starts SGLang: with the plugin through eaglet's launch command, without it as plain launch_server."""
     if plugin:
-        argv = [sys.executable, "-m", "services.inference.sglang_launch", "--model-path", str(model),
-                "--dump-dir", str(DUMPS), "--host", "127.0.0.1", "--port", str(SGL_PORT)] + extra + SGL_BASE
+        argv = (
+            [
+                sys.executable,
+                "-m",
+                "services.inference.sglang_launch",
+                "--model-path",
+                str(model),
+                "--dump-dir",
+                str(DUMPS),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(SGL_PORT),
+            ]
+            + extra
+            + SGL_BASE
+        )
         env = {"EAGLET_DUMP_DIR": str(DUMPS)}
         pp = PY_SGL_PLUGIN
     else:
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
-                "--port", str(SGL_PORT), "--disable-radix-cache"] + extra + SGL_BASE
+        argv = (
+            [
+                sys.executable,
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(SGL_PORT),
+                "--disable-radix-cache",
+            ]
+            + extra
+            + SGL_BASE
+        )
         env, pp = {}, PY_SGL_PLAIN
     log(f"{name}: {' '.join(argv[1:])}")
     start(name, argv, pp, env)
@@ -163,8 +201,13 @@ def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: f
 
 def reference(name: str, model: Path, *, dump: bool, timeout: float = 300) -> float:
     argv = [sys.executable, "-m", "services.inference.main", "--port", str(REF_PORT)] + ([] if dump else ["--no-dump"])
-    env = {"EAGLET_MODEL": str(model), "EAGLET_DUMP_DIR": str(DUMPS), "EAGLET_DEVICE": "cuda", "EAGLET_DTYPE": "bfloat16",
-           "EAGLET_HOST": "127.0.0.1"}  # fmt: skip
+    env = {
+        "EAGLET_MODEL": str(model),
+        "EAGLET_DUMP_DIR": str(DUMPS),
+        "EAGLET_DEVICE": "cuda",
+        "EAGLET_DTYPE": "bfloat16",
+        "EAGLET_HOST": "127.0.0.1",
+    }
     log(f"{name}: reference server on {model}")
     start(name, argv, PY_EAGLET, env)
     up = wait_health(name, REF_PORT, timeout)
@@ -186,9 +229,15 @@ def pretokenized(path: Path, lengths: list[int], vocab: int, seed: int) -> int:
 
 
 def eaglet_env(model: Path, port: int) -> dict:
-    return {"EAGLET_REDIS_URL": REDIS_URL, "EAGLET_DATA_DIR": str(DATA), "EAGLET_DUMP_DIR": str(DUMPS),
-            "EAGLET_MODEL": str(model), "EAGLET_INFERENCE_URL": f"http://127.0.0.1:{port}",
-            "EAGLET_REQUEST_TIMEOUT_S": "600", "EAGLET_DUMP_WAIT_S": "60"}  # fmt: skip
+    return {
+        "EAGLET_REDIS_URL": REDIS_URL,
+        "EAGLET_DATA_DIR": str(DATA),
+        "EAGLET_DUMP_DIR": str(DUMPS),
+        "EAGLET_MODEL": str(model),
+        "EAGLET_INFERENCE_URL": f"http://127.0.0.1:{port}",
+        "EAGLET_REQUEST_TIMEOUT_S": "600",
+        "EAGLET_DUMP_WAIT_S": "60",
+    }
 
 
 def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, max_tokens: int, timeout: float) -> dict:
@@ -205,11 +254,12 @@ def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, m
     from shared.runstate import RunState
 
     redis = Redis.from_url(REDIS_URL, decode_responses=True)
+    DATA.mkdir(parents=True, exist_ok=True)  # the workers' heartbeat reads its free space
     names = [f"{run_id}-w{i}" for i in range(workers)]
     for n in names:
         start(n, [sys.executable, "-m", "services.extractor.worker", "--name", n], PY_EAGLET, eaglet_env(model, port))
     t = time.time()
-    while time.time() - t < 120:
+    while time.time() - t < 45:
         alive = {w.get("worker") or w.get("name") for w in heartbeats.workers(redis)}
         if sum(1 for n in names if n in alive) == workers or len(heartbeats.workers(redis)) >= workers:
             break
@@ -233,10 +283,18 @@ def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, m
     for n in names:
         stop(n, 10)
     out = {
-        "run": run_id, "workers": workers, "samples": res.samples, "tokens": res.tokens, "bad_lines": res.bad_lines,
-        "counts": counts, "failures": dict(list(failures.items())[:10]), "complete": state.extraction_complete(),
-        "wall_s": round(wall, 2), "first_done_s": first, "tokens_per_s": round(int(counts.get("tokens", 0)) / wall, 1),
-    }  # fmt: skip
+        "run": run_id,
+        "workers": workers,
+        "samples": res.samples,
+        "tokens": res.tokens,
+        "bad_lines": res.bad_lines,
+        "counts": counts,
+        "failures": dict(list(failures.items())[:10]),
+        "complete": state.extraction_complete(),
+        "wall_s": round(wall, 2),
+        "first_done_s": first,
+        "tokens_per_s": round(int(counts.get("tokens", 0)) / wall, 1),
+    }
     log(f"{run_id}: {json.dumps(out)[:600]}")
     return out
 
@@ -244,14 +302,17 @@ def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, m
 def bench(port: int, prompts: list[list[int]], concurrency: int, rid_prefix: str, wait_dumps: bool) -> dict:
     """Prefill throughput as a client sees it: max_new_tokens 1, `concurrency` requests in flight.
     With eaglet rids the dump of each request is awaited and deleted (what a worker does, minus storage)."""
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600,
-                          limits=httpx.Limits(max_connections=concurrency + 4))  # fmt: skip
+    client = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}", timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)
+    )
     errors, missing = [], [0]
 
     def one(i: int) -> int:
         rid = f"{rid_prefix}{i}"
-        r = client.post("/generate", json={"input_ids": prompts[i], "rid": rid,
-                                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}})  # fmt: skip
+        r = client.post(
+            "/generate",
+            json={"input_ids": prompts[i], "rid": rid, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+        )
         if r.status_code != 200:
             errors.append(f"{r.status_code} {r.text[:200]}")
             return 0
@@ -270,8 +331,16 @@ def bench(port: int, prompts: list[list[int]], concurrency: int, rid_prefix: str
     with ThreadPoolExecutor(concurrency) as ex:
         tokens = sum(ex.map(one, range(len(prompts))))
     wall = time.time() - t
-    return {"requests": len(prompts), "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
-            "concurrency": concurrency, "errors": errors[:5], "n_errors": len(errors), "dumps_missing": missing[0]}  # fmt: skip
+    return {
+        "requests": len(prompts),
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 1),
+        "concurrency": concurrency,
+        "errors": errors[:5],
+        "n_errors": len(errors),
+        "dumps_missing": missing[0],
+    }
 
 
 def compare_with_reference(run_id: str, model: Path, limit: int | None = None) -> dict:
@@ -301,8 +370,14 @@ def compare_with_reference(run_id: str, model: Path, limit: int | None = None) -
             mismatched.append(f"{s.sample_id}: input_ids differ")
             continue
         rid = f"eaglet:ref-{run_id}:{s.sample_id}:1"
-        r = client.post("/generate", json={"input_ids": s.input_ids.tolist(), "rid": rid,
-                                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}})  # fmt: skip
+        r = client.post(
+            "/generate",
+            json={
+                "input_ids": s.input_ids.tolist(),
+                "rid": rid,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            },
+        )
         r.raise_for_status()
         p = DUMPS / f"{rid}.safetensors"
         for _ in range(3000):
@@ -314,8 +389,10 @@ def compare_with_reference(run_id: str, model: Path, limit: int | None = None) -
         h = ref.hidden_states.shape[-1]
         pairs = {"hidden_states": (stored["hidden_states"], ref.hidden_states)}
         for k in range(3):
-            pairs[f"aux_hidden_states[{k}]"] = (stored["aux_hidden_states"][:, k * h:(k + 1) * h],
-                                                 ref.aux_hidden_states[:, k * h:(k + 1) * h])  # fmt: skip
+            pairs[f"aux_hidden_states[{k}]"] = (
+                stored["aux_hidden_states"][:, k * h : (k + 1) * h],
+                ref.aux_hidden_states[:, k * h : (k + 1) * h],
+            )
         row = {"sample": s.sample_id, "tokens": len(s.input_ids)}
         for n, (a, b) in pairs.items():
             if a.shape != b.shape:
@@ -330,16 +407,30 @@ def compare_with_reference(run_id: str, model: Path, limit: int | None = None) -
             g["n"] += d.numel()
             g["max_ref"] = max(g["max_ref"], b32.abs().max().item())
             g["cos_min"] = min(g["cos_min"], cos)
-            row[n] = {"max_abs": round(d.max().item(), 5), "mean_abs": round(d.mean().item(), 6), "cos_min": round(cos, 5)}
+            row[n] = {
+                "max_abs": round(d.max().item(), 5),
+                "mean_abs": round(d.mean().item(), 6),
+                "cos_min": round(cos, 5),
+            }
         per_sample.append(row)
     summary = {
-        n: {"max_abs_diff": g["max_abs"], "mean_abs_diff": g["sum_abs"] / max(g["n"], 1),
-            "max_abs_ref": g["max_ref"], "min_cosine": g["cos_min"], "elements": g["n"]}
+        n: {
+            "max_abs_diff": g["max_abs"],
+            "mean_abs_diff": g["sum_abs"] / max(g["n"], 1),
+            "max_abs_ref": g["max_ref"],
+            "min_cosine": g["cos_min"],
+            "elements": g["n"],
+        }
         for n, g in agg.items()
-    }  # fmt: skip
-    return {"compared": len(per_sample), "missing": missing, "mismatched": mismatched, "per_tensor": summary,
-            "per_sample_first": per_sample[:12], "worst_samples": sorted(
-                per_sample, key=lambda r: -r.get("hidden_states", {}).get("max_abs", 0))[:5]}  # fmt: skip
+    }
+    return {
+        "compared": len(per_sample),
+        "missing": missing,
+        "mismatched": mismatched,
+        "per_tensor": summary,
+        "per_sample_first": per_sample[:12],
+        "worst_samples": sorted(per_sample, key=lambda r: -r.get("hidden_states", {}).get("max_abs", 0))[:5],
+    }
 
 
 def plugin_lines(name: str) -> list[str]:
@@ -354,14 +445,25 @@ def plugin_lines(name: str) -> list[str]:
 # --- phases --------------------------------------------------------------------------------------------
 
 
-def phase_extract(phase: str, model: Path, dataset: Path, *, n_workers: int, chunk: int, compare: bool,
-                  bench_prompts: list[list[int]] | None, max_tokens: int = 8192) -> None:  # fmt: skip
+def phase_extract(
+    phase: str,
+    model: Path,
+    dataset: Path,
+    *,
+    n_workers: int,
+    chunk: int,
+    compare: bool,
+    bench_prompts: list[list[int]] | None,
+    max_tokens: int = 8192,
+) -> None:
     R = RESULTS.setdefault(phase, {})
     redis_up()
     DUMPS.mkdir(parents=True, exist_ok=True)
     extra = ["--chunked-prefill-size", str(chunk), "--mem-fraction-static", "0.5", "--disable-cuda-graph"]
-    R["server"] = {"cmd": "python -m services.inference.sglang_launch --model-path M --dump-dir D "
-                          + " ".join(extra + SGL_BASE), "startup_s": sglang(f"{phase}-sgl", model, plugin=True, extra=extra)}  # fmt: skip
+    R["server"] = {
+        "cmd": "python -m services.inference.sglang_launch --model-path M --dump-dir D " + " ".join(extra + SGL_BASE),
+        "startup_s": sglang(f"{phase}-sgl", model, plugin=True, extra=extra),
+    }
     save(phase)
     run_id = f"{phase}-{int(time.time())}"
     R["pipeline"] = pipeline(run_id, model, dataset, SGL_PORT, n_workers, max_tokens, timeout=300)
@@ -384,16 +486,24 @@ def phase_extract(phase: str, model: Path, dataset: Path, *, n_workers: int, chu
 
 def phase_smol() -> None:
     model = MODELS / "smol"
-    subprocess.run([sys.executable, "bench/gpu/mkmodel.py", "smol", str(model), f"{S}/tokenizer"], check=True,
-                   env={**os.environ, "PYTHONPATH": PY_EAGLET})  # fmt: skip
+    subprocess.run(
+        [sys.executable, "bench/gpu/mkmodel.py", "smol", str(model), f"{S}/tokenizer"],
+        check=True,
+        env={**os.environ, "PYTHONPATH": PY_EAGLET},
+    )
     rng = random.Random(1)
     lengths = [int(16 * (3000 / 16) ** rng.random()) for _ in range(96)] + [256, 257, 512, 3000]
     ds = ROOT / "smol.jsonl"
     tokens = pretokenized(ds, lengths, 49152, seed=2)
-    RESULTS["smol"] = {"model": "SmolLM2-135M shape (hidden 576, 30 layers, 9/3 heads, vocab 49152), random bf16",
-                       "samples": len(lengths), "tokens": tokens, "min_len": min(lengths), "max_len": max(lengths),
-                       "chunked_prefill_size": 256,
-                       "long_prompts_split": sum(1 for n in lengths if n > 256)}  # fmt: skip
+    RESULTS["smol"] = {
+        "model": "SmolLM2-135M shape (hidden 576, 30 layers, 9/3 heads, vocab 49152), random bf16",
+        "samples": len(lengths),
+        "tokens": tokens,
+        "min_len": min(lengths),
+        "max_len": max(lengths),
+        "chunked_prefill_size": 256,
+        "long_prompts_split": sum(1 for n in lengths if n > 256),
+    }
     prompts = [json.loads(line)["input_ids"] for line in open(ds)]
     phase_extract("smol", model, ds, n_workers=4, chunk=256, compare=True, bench_prompts=prompts)
 
@@ -401,16 +511,22 @@ def phase_smol() -> None:
 def phase_real() -> None:
     model = MODELS / "smollm2"
     gg = S / "gguf" / "model.gguf"
-    subprocess.run([sys.executable, "bench/gpu/mkmodel.py", "gguf", str(model), str(gg)], check=True,
-                   env={**os.environ, "PYTHONPATH": PY_EAGLET})  # fmt: skip
+    subprocess.run(
+        [sys.executable, "bench/gpu/mkmodel.py", "gguf", str(model), str(gg)],
+        check=True,
+        env={**os.environ, "PYTHONPATH": PY_EAGLET},
+    )
     src = REPO / "data/demo/train.jsonl"
     if not src.exists():
         src = REPO / "data/demo/train.tmp"  # being regenerated: its complete lines
     ds = ROOT / "real.jsonl"
     lines = [ln for ln in src.read_text().splitlines() if ln.strip().endswith("}")]
     ds.write_text("\n".join(lines) + "\n")
-    RESULTS["real"] = {"model": "SmolLM2-135M-Instruct (the bundled GGUF, dequantized, bf16)",
-                       "dataset": f"{src.relative_to(REPO)} ({len(lines)} conversations)", "chunked_prefill_size": 128}  # fmt: skip
+    RESULTS["real"] = {
+        "model": "SmolLM2-135M-Instruct (the bundled GGUF, dequantized, bf16)",
+        "dataset": f"{src.relative_to(REPO)} ({len(lines)} conversations)",
+        "chunked_prefill_size": 128,
+    }
     phase_extract("real", model, ds, n_workers=4, chunk=128, compare=True, bench_prompts=None, max_tokens=2048)
 
 
@@ -418,8 +534,11 @@ def phase_speed8b() -> None:
     R = RESULTS.setdefault("speed8b", {})
     model = MODELS / "l8b"
     t = time.time()
-    subprocess.run([sys.executable, "bench/gpu/mkmodel.py", "8b", str(model), f"{S}/tokenizer"], check=True,
-                   env={**os.environ, "PYTHONPATH": PY_EAGLET})  # fmt: skip
+    subprocess.run(
+        [sys.executable, "bench/gpu/mkmodel.py", "8b", str(model), f"{S}/tokenizer"],
+        check=True,
+        env={**os.environ, "PYTHONPATH": PY_EAGLET},
+    )
     R["model"] = "Llama-3-8B shape (hidden 4096, 32 layers, 32/8 heads, vocab 128256), random bf16"
     R["model_build_s"] = round(time.time() - t, 1)
     rng = random.Random(3)
@@ -498,11 +617,33 @@ def phase_train8b() -> None:
     R = RESULTS.setdefault("train8b", {})
     run_id = RESULTS.get("speed8b", {}).get("pipeline", {}).get("run") or os.environ.get("TRAIN8B_RUN")
     steps = os.environ.get("TRAIN8B_STEPS", "30")
-    argv = [sys.executable, "bench/gpu/train_probe.py", "--run", run_id, "--max-steps", steps, "--ttt-steps", "7",
-            "--max-len", "2048", "--max-tokens", os.environ.get("TRAIN8B_TOKENS", "16384"), "--workers", "2",
-            "--checkpoint-every", "100000", "--heldout-fraction", "0.02"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "bench/gpu/train_probe.py",
+        "--run",
+        run_id,
+        "--max-steps",
+        steps,
+        "--ttt-steps",
+        "7",
+        "--max-len",
+        "2048",
+        "--max-tokens",
+        os.environ.get("TRAIN8B_TOKENS", "16384"),
+        "--workers",
+        "2",
+        "--checkpoint-every",
+        "100000",
+        "--heldout-fraction",
+        "0.02",
+    ]
     R["cmd"] = " ".join(argv[1:])
-    start("train8b", argv, PY_EAGLET, {**eaglet_env(MODELS / "l8b", SGL_PORT), "PROBE_OUT": str(OUT / "train8b-probe.json")})
+    start(
+        "train8b",
+        argv,
+        PY_EAGLET,
+        {**eaglet_env(MODELS / "l8b", SGL_PORT), "PROBE_OUT": str(OUT / "train8b-probe.json")},
+    )
     PROCS["train8b"].wait(timeout=float(os.environ.get("TRAIN8B_TIMEOUT", "300")))
     R["rc"] = PROCS["train8b"].returncode
     R["log_tail"] = tail("train8b", 30)
@@ -520,10 +661,34 @@ def phase_drafter() -> None:
     run_id = RESULTS[src]["run_id"]
     model = MODELS / ("smollm2" if src == "real" else "smol")
     R["trained_on"] = {"phase": src, "run": run_id, "model": str(model)}
-    argv = [sys.executable, "bench/gpu/train_probe.py", "--run", run_id, "--epochs", os.environ.get("DRAFT_EPOCHS", "20"),
-            "--ttt-steps", "7", "--max-len", "2048", "--max-tokens", "16384", "--draft-vocab-size", "8192",
-            "--lr", "3e-4", "--workers", "2", "--checkpoint-every", "100000", "--heldout-fraction", "0.05"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "bench/gpu/train_probe.py",
+        "--run",
+        run_id,
+        "--epochs",
+        os.environ.get("DRAFT_EPOCHS", "20"),
+        "--ttt-steps",
+        "7",
+        "--max-len",
+        "2048",
+        "--max-tokens",
+        "16384",
+        "--draft-vocab-size",
+        "8192",
+        "--lr",
+        "3e-4",
+        "--workers",
+        "2",
+        "--checkpoint-every",
+        "100000",
+        "--heldout-fraction",
+        "0.05",
+    ]
     R["train_cmd"] = " ".join(argv[1:])
+    ddir = DATA / "runs" / run_id / "drafter"
+    if os.environ.get("DRAFT_REUSE") and (ddir / "config.json").exists():
+        argv = ["true"]
     start("draft-train", argv, PY_EAGLET, {**eaglet_env(model, SGL_PORT), "PROBE_OUT": str(OUT / "drafter-probe.json")})
     PROCS["draft-train"].wait(timeout=float(os.environ.get("DRAFT_TRAIN_TIMEOUT", "200")))
     R["train_rc"] = PROCS["draft-train"].returncode
@@ -532,9 +697,21 @@ def phase_drafter() -> None:
     save("drafter")
     ddir = DATA / "runs" / run_id / "drafter"
     R["drafter_config"] = json.loads((ddir / "config.json").read_text())
-    extra = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(ddir),
-             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-             "--mem-fraction-static", "0.5", "--cuda-graph-max-bs", "8"]  # fmt: skip
+    extra = [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        str(ddir),
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "4",
+        "--mem-fraction-static",
+        "0.5",
+        "--disable-cuda-graph",
+    ]
     R["server_flags"] = " ".join(extra + SGL_BASE)
     R["startup_s"] = sglang("draft-sgl", model, plugin=False, extra=extra, timeout=400)
     from transformers import AutoTokenizer
@@ -548,10 +725,14 @@ def phase_drafter() -> None:
         msgs = [m for m in p["messages"] if m["role"] == "user"][:1]
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        r = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 128, "temperature": 0}})
+        r = client.post(
+            "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 128, "temperature": 0}}
+        )
         if r.status_code == 200:
             m = r.json()["meta_info"]
-            native.append({k: v for k, v in m.items() if k.startswith("spec") or k in ("completion_tokens", "prompt_tokens")})
+            native.append(
+                {k: v for k, v in m.items() if k.startswith("spec") or k in ("completion_tokens", "prompt_tokens")}
+            )
         else:
             native.append({"error": r.text[:300]})
     R["decode_wall_s"] = round(time.time() - t, 2)
@@ -572,10 +753,6 @@ def phase_drafter() -> None:
     save("drafter")
 
 
-PHASES = {"models": phase_models, "smol": phase_smol, "real": phase_real, "speed8b": phase_speed8b, "ref8b": phase_ref8b,
-          "train8b": phase_train8b, "drafter": phase_drafter}  # fmt: skip
-
-
 ESTIMATE_S = {"smol": 200, "real": 180, "speed8b": 300, "ref8b": 150, "train8b": 120, "drafter": 200, "models": 60}
 
 
@@ -588,6 +765,17 @@ def phase_models() -> None:
         R[name] = round(time.time() - t, 1)
 
 
+PHASES = {
+    "models": phase_models,
+    "smol": phase_smol,
+    "real": phase_real,
+    "speed8b": phase_speed8b,
+    "ref8b": phase_ref8b,
+    "train8b": phase_train8b,
+    "drafter": phase_drafter,
+}
+
+
 def main() -> int:
     state = ROOT / "issue9-results.json"
     if state.exists():
@@ -598,7 +786,9 @@ def main() -> int:
         for phase in sys.argv[1:]:
             log(f"=== {phase}")
             if phase in PHASES and time.time() - T0 + ESTIMATE_S.get(phase, 60) > deadline:
-                RESULTS.setdefault(phase, {})["skipped"] = f"not started: {time.time() - T0:.0f}s gone of {deadline:.0f}s"
+                RESULTS.setdefault(phase, {})["skipped"] = (
+                    f"not started: {time.time() - T0:.0f}s gone of {deadline:.0f}s"
+                )
                 log(f"{phase}: skipped, out of time")
                 continue
             try:

@@ -19,14 +19,32 @@ from safetensors.torch import save_file
 
 SHAPES = {
     # SmolLM2-135M-Instruct's config (the bundled target), with its tokenizer
-    "smol": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
-                 max_position_embeddings=8192, rms_norm_eps=1e-5),
+    "smol": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
     # Llama-3-8B's config
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
-               max_position_embeddings=8192, rms_norm_eps=1e-5),
-}  # fmt: skip
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
+}
 
 
 def random_llama(shape: str, out: str, tokenizer_dir: str) -> None:
@@ -56,11 +74,21 @@ def random_llama(shape: str, out: str, tokenizer_dir: str) -> None:
     os.makedirs(out, exist_ok=True)
     save_file(t, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "head_dim": hd,
-        "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
-        "torch_dtype": "bfloat16", "initializer_range": 0.02, "use_cache": True,
-        "rope_parameters": {"rope_theta": c["rope_theta"], "rope_type": "default"}, **c,
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "head_dim": hd,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        "torch_dtype": "bfloat16",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "rope_parameters": {"rope_theta": c["rope_theta"], "rope_type": "default"},
+        **c,
+    }
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     for name in os.listdir(tokenizer_dir):

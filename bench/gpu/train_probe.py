@@ -32,7 +32,9 @@ def run() -> int:
         "wall_s": round(wall, 1),
         "train_hash": redis.hgetall(RunKeys(run_id).train),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "peak_allocated_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+        "peak_allocated_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if torch.cuda.is_available()
+        else None,
         "peak_reserved_GiB": round(torch.cuda.max_memory_reserved() / 2**30, 2) if torch.cuda.is_available() else None,
     }
     path = os.environ.get("PROBE_OUT")
