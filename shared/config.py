@@ -5,6 +5,7 @@ environment.
 """
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -36,6 +37,10 @@ class Settings(BaseSettings):
 
     dump_wait_s: float = Field(60.0, gt=0)
     """How long a worker waits for the dump to appear after the response (SGLang writes it from a thread)."""
+
+    store_dtype: Literal["model", "bf16", "fp8"] = "model"
+    """How the hidden states are stored: ``model`` (as dumped), ``bf16``, or ``fp8`` (e4m3 with per-token scales,
+    half of bf16's bytes; measured against bf16 in BENCHMARKS.md). Read by the workers, decoded by the trainer."""
 
     max_attempts: int = Field(4, ge=1)
     """Tries per sample before it is recorded as failed."""

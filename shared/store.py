@@ -11,6 +11,11 @@ Layout of a run::
 A sample file holds ``input_ids`` (int32 [T]), ``loss_mask`` (uint8 [T]), ``hidden_states`` [T, H],
 ``aux_hidden_states`` [T, 3H] and the dump's metadata. It is written as temp, fsync, rename: a file
 that exists is complete.
+
+The two state tensors are stored as dumped (``model``), as ``bf16``, or as ``fp8``: float8 e4m3 with a
+per-token scale each (``hidden_states_scale`` [T, 1], ``aux_hidden_states_scale`` [T, 1], float32;
+metadata ``storage: fp8_e4m3``), half the bytes of bf16. ``encode_states`` and ``decode_states`` are the
+only code that knows these encodings.
 """
 
 import json
@@ -24,6 +29,11 @@ from safetensors.torch import save
 from shared.ids import check_id, fanout
 
 SAMPLE_TENSORS = ("input_ids", "loss_mask", "hidden_states", "aux_hidden_states")
+STATE_TENSORS = ("hidden_states", "aux_hidden_states")
+STORE_DTYPES = ("model", "bf16", "fp8")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_STORAGE = "fp8_e4m3"
 
 
 class StoreError(OSError):
@@ -61,13 +71,51 @@ def partial_path(path: Path, writer: str) -> Path:
     return path.with_name(f".{path.name}.{check_id(writer, 'writer')}.tmp")
 
 
+def encode_states(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], store_dtype: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The sample's tensors and metadata as stored under ``store_dtype`` (model | bf16 | fp8)."""
+    if store_dtype not in STORE_DTYPES:
+        raise ValueError(f"store dtype {store_dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
+    out = {k: tensors[k] for k in SAMPLE_TENSORS}
+    if store_dtype == "bf16":
+        out.update({k: tensors[k].to(torch.bfloat16) for k in STATE_TENSORS})
+        metadata = {**metadata, "storage": "bf16"}
+    elif store_dtype == "fp8":
+        for k in STATE_TENSORS:
+            x = tensors[k].float()  # [T, D]
+            amax = x.abs().amax(-1, keepdim=True)  # [T, 1]
+            scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+            # clamp: amax / scale can round a hair above 448, and e4m3fn has no inf to saturate to
+            out[k] = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            out[f"{k}_scale"] = scale
+        metadata = {**metadata, "storage": FP8_STORAGE}
+    return out, metadata
+
+
+def decode_states(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The two state tensors of a stored sample, back in ``dtype``."""
+    if metadata.get("storage") == FP8_STORAGE:
+        return {k: (tensors[k].float() * tensors[f"{k}_scale"]).to(dtype) for k in STATE_TENSORS}
+    return {k: tensors[k].to(dtype) for k in STATE_TENSORS}
+
+
 def write_sample(
-    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *, writer: str | None = None
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+    *,
+    writer: str | None = None,
+    store_dtype: str = "model",
 ) -> int:
     """Writes one sample file durably (temp, fsync, rename, fsync of the folder); returns its size.
 
-    ``writer`` names the temp file (default: the pid); one writer writes one file at a time."""
-    blob = save({k: tensors[k].contiguous() for k in SAMPLE_TENSORS}, metadata=metadata)
+    ``writer`` names the temp file (default: the pid); one writer writes one file at a time. ``store_dtype``:
+    see ``encode_states``."""
+    tensors, metadata = encode_states(tensors, metadata, store_dtype)
+    blob = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
     tmp = partial_path(path, writer or str(os.getpid()))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # inside the try: a full disk fails here too
@@ -115,8 +163,13 @@ def sample_is_complete(path: Path, num_tokens: int) -> bool:
     found = sample_header(path)
     if found is None:
         return False
-    shapes, _ = found
-    return all(shapes[k][0] == num_tokens for k in SAMPLE_TENSORS)
+    shapes, metadata = found
+    names = SAMPLE_TENSORS
+    if metadata.get("storage") == FP8_STORAGE:
+        names += tuple(f"{k}_scale" for k in STATE_TENSORS)
+        if any(k not in shapes for k in names):
+            return False
+    return all(shapes[k][0] == num_tokens for k in names)
 
 
 def open_sample(path: Path) -> dict[str, torch.Tensor]:

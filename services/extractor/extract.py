@@ -37,6 +37,8 @@ class Extractor:
     instance: str = ""
     """Unique per process (see shared/heartbeats.py); names the temp files this process writes."""
     dump_wait_s: float = 60.0
+    store_dtype: str = "model"
+    """How the hidden states are stored (see shared/store.py ``encode_states``)."""
     max_attempts: int = 4
     backoff_s: tuple[float, ...] = (1, 2, 5, 10, 30, 60)
     max_transient_s: float = 3600.0
@@ -106,7 +108,7 @@ class Extractor:
             }
             metadata = {**dump.metadata, "run_id": state.run_id, "sample_id": sample.sample_id}
             try:
-                return write_sample(path, tensors, metadata, writer=self.instance or None)
+                return write_sample(path, tensors, metadata, writer=self.instance or None, store_dtype=self.store_dtype)
             except StoreError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
                     raise Transient(f"data volume: {e}") from e

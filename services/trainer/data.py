@@ -18,7 +18,7 @@ from safetensors import safe_open
 from torch.utils.data import DataLoader, Dataset
 
 from shared.samples import SampleSet
-from shared.store import StoreError, sample_path
+from shared.store import StoreError, decode_states, sample_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +52,17 @@ def split_items(samples: SampleSet, indexes: list[int], heldout: float) -> tuple
 
 
 def load_sample(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Decodes one stored sample to training tensors. The one place that knows the on-disk encoding
-    (a future fp8 variant with per-token scales dequantizes here)."""
+    """Decodes one stored sample to training tensors: the one place the trainer reads a sample file. The state
+    tensors' encoding (as dumped, bf16, fp8 with per-token scales) is undone by ``decode_states``."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {
-                "input_ids": f.get_tensor("input_ids").long(),  # [T]
-                "loss_mask": f.get_tensor("loss_mask").bool(),  # [T]
-                "hidden_states": f.get_tensor("hidden_states").to(dtype),  # [T, H] after the final norm
-                "aux_hidden_states": f.get_tensor("aux_hidden_states").to(dtype),  # [T, 3H]
-            }
+            stored = {k: f.get_tensor(k) for k in f.keys()}
+            metadata = f.metadata() or {}
+        return {
+            "input_ids": stored["input_ids"].long(),  # [T]
+            "loss_mask": stored["loss_mask"].bool(),  # [T]
+            **decode_states(stored, metadata, dtype),  # hidden_states [T, H] after the final norm, aux [T, 3H]
+        }
     except Exception as e:  # safetensors raises its own error types, OSError, or ValueError on a bad header
         raise StoreError(f"reading {path}: {e}") from e
 

@@ -26,7 +26,15 @@ def token_sequences(n: int, length: int, seed: int = 0, vocab: tuple[int, int] =
 
 @torch.no_grad()
 def make_run(
-    redis, data_dir: Path, model_dir: Path, run_id: str, *, n: int = 24, length: int = 40, complete: bool = True
+    redis,
+    data_dir: Path,
+    model_dir: Path,
+    run_id: str,
+    *,
+    n: int = 24,
+    length: int = 40,
+    complete: bool = True,
+    store_dtype: str = "model",
 ) -> list[int]:
     """Writes ``n`` samples and the run state; marks all done (``complete``) or all but the last. Returns layer ids."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -47,7 +55,8 @@ def make_run(
             "hidden_states": out.last_hidden_state[0],  # after the final norm
             "aux_hidden_states": torch.cat([out.hidden_states[j][0] for j in layer_ids], -1),
         }
-        write_sample(sample_path(data_dir, run_id, f"s{i:04d}"), tensors, {"aux_layer_ids": json.dumps(layer_ids)})
+        path = sample_path(data_dir, run_id, f"s{i:04d}")
+        write_sample(path, tensors, {"aux_layer_ids": json.dumps(layer_ids)}, store_dtype=store_dtype)
     writer.close({"model": str(model_dir)})
     state.set_total(n, sum(len(s) for s in seqs))
     for i, ids in enumerate(seqs):
