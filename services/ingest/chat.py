@@ -5,6 +5,7 @@ turn (with the generation prompt) and through it, and mark the tokens whose text
 works for any template that renders a prefix of a conversation as a prefix of the whole.
 """
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from services.ingest.records import BadLine
@@ -13,6 +14,15 @@ from services.ingest.records import BadLine
 def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
 ) -> tuple[list[int], list[int]]:
+    # A template refuses what it cannot render (an assistant turn first, roles out of order) by raising:
+    # that is this line's fault, reported as such, never the end of the ingest.
+    try:
+        return _tokenize(tokenizer, messages)
+    except (TemplateError, ValueError, TypeError) as e:
+        raise BadLine(f"chat template cannot render this conversation: {type(e).__name__}: {e}") from e
+
+
+def _tokenize(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     full = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, message in enumerate(messages):
