@@ -1,0 +1,141 @@
+"""Drafter quality and trainer cost on CPU (SmolLM2): acceptance length vs training samples (learning curve),
+fp8 vs bf16 stored hidden states on the same data and steps, trainer tokens/s and peak memory.
+
+Extracts the first ``--limit`` demo conversations once through the real pipeline (Redis, reference server,
+workers), then derives runs from that extraction: each stored sample re-encoded as bf16 or fp8 (the same
+states, so the only difference is the storage), and bf16 runs restricted to the first n samples (the done
+bitmap). Each run is trained by ``python -m services.trainer.main`` in its own process (its peak RSS is
+measured) and evaluated by real speculative decoding on the held-out demo prompts (``data/demo/eval.jsonl``).
+
+    python bench/quality.py                                   # 60 conversations, curve 20/60: ~15 min on 2 busy cores
+    python bench/quality.py --limit 300 --curve 75,150,300 --epochs 4
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from redis import Redis
+from redis.client import NEVER_DECODE
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import free_port, load, save_result, start_redis  # noqa: E402
+from bench.pipeline import pipeline_phase  # noqa: E402
+from cli.stack import LocalStack  # noqa: E402
+from shared.config import Settings  # noqa: E402
+from shared.keys import RunKeys  # noqa: E402
+from shared.samples import SampleSet  # noqa: E402
+from shared.store import open_sample, read_metadata, sample_path, samples_dir, write_sample  # noqa: E402
+
+EVAL = ROOT / "data" / "demo" / "eval.jsonl"
+
+
+def derive_run(redis: Redis, data_dir: Path, src: str, run: str, store_dtype: str, first: int) -> int:
+    """A copy of run ``src`` whose samples are stored as ``store_dtype`` and whose done samples are the first
+    ``first``; returns the bytes of its hidden states."""
+    shutil.copytree(samples_dir(data_dir, src), samples_dir(data_dir, run))
+    samples = SampleSet(samples_dir(data_dir, src))
+    nbytes = 0
+    for i in range(min(first, len(samples))):
+        sid = samples[i].sample_id
+        path = sample_path(data_dir, src, sid)
+        nbytes += write_sample(sample_path(data_dir, run, sid), open_sample(path), read_metadata(path),
+                               store_dtype=store_dtype)  # fmt: skip
+    src_keys, keys = RunKeys(src), RunKeys(run)
+    redis.hset(keys.meta, mapping=redis.hgetall(src_keys.meta))
+    bitmap = bytearray(redis.execute_command("GET", src_keys.done, **{NEVER_DECODE: []}))
+    for i in range(first, len(samples)):
+        bitmap[i // 8] &= ~(0x80 >> (i % 8)) & 0xFF
+    redis.set(keys.done, bytes(bitmap))
+    return nbytes
+
+
+def train_and_eval(run: str, env: dict, flags: list[str], log_dir: Path) -> dict:
+    """The trainer (with its evaluation) in its own process; wall seconds and peak RSS from wait4."""
+    cmd = [sys.executable, "-m", "services.trainer.main", "--run", run, *flags, "--eval-prompts", str(EVAL)]
+    with open(log_dir / f"{run}.log", "wb") as log:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"trainer for {run} failed; see {log_dir / run}.log")
+    return {"seconds": round(seconds, 1), "peak_rss_MB": round(usage.ru_maxrss / 1024, 1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--limit", type=int, default=60, help="demo conversations extracted (training samples)")
+    p.add_argument("--curve", default="20,60", help="sample counts of the bf16 learning curve")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-tokens", type=int, default=1024, help="padded tokens a batch")
+    p.add_argument("--eval-prompts", type=int, default=20)
+    p.add_argument("--no-fp8", action="store_true", help="only the learning curve")
+    args = p.parse_args()
+    load_before = load()
+    (ROOT / "var").mkdir(exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="bench-quality-", dir=ROOT / "var"))
+    data_dir = folder / "data"
+    redis_proc, redis_url = start_redis(folder / "redis")
+    port = free_port()
+    settings = Settings(redis_url=redis_url, data_dir=data_dir, dump_dir=folder / "dump",
+                        inference_url=f"http://127.0.0.1:{port}")  # fmt: skip
+    env = {"EAGLET_REDIS_URL": redis_url, "EAGLET_DATA_DIR": str(data_dir), "EAGLET_DUMP_DIR": str(folder / "dump"),
+           "EAGLET_INFERENCE_URL": settings.inference_url}  # fmt: skip
+    flags = ["--ttt-steps", "3", "--draft-vocab-size", "4096", "--max-len", "512", "--workers", "0",
+             "--checkpoint-every", "100000", "--epochs", str(args.epochs), "--lr", str(args.lr),
+             "--max-tokens", str(args.max_tokens), "--eval-k", "3", "--eval-max-new-tokens", "64",
+             "--eval-num-prompts", str(args.eval_prompts)]  # fmt: skip
+    figures: dict = {"conversations": args.limit, "train_flags": " ".join(flags), "runs": []}
+    try:
+        redis = Redis.from_url(redis_url, decode_responses=True)
+        with LocalStack(folder / "logs", env=env) as stack:
+            stack.start("inference", "services.inference.main", "--port", str(port))
+            stack.wait_http("inference", f"{settings.inference_url}/health", timeout=300)
+            for i in range(2):
+                stack.start(f"worker-{i}", "services.extractor.worker", "--name", f"quality-worker-{i}")
+            seconds, tokens, nbytes = pipeline_phase(redis, settings, "src", args.limit)
+            figures["extraction"] = {"seconds": round(seconds, 1), "tokens": tokens, "bytes": nbytes}
+            print(json.dumps(figures["extraction"]), flush=True)
+        plan = [("bf16", int(n)) for n in args.curve.split(",")]
+        if not args.no_fp8:
+            plan.insert(plan.index(("bf16", max(n for _, n in plan))) + 1, ("fp8", max(n for _, n in plan)))
+        for store_dtype, n in plan:
+            run = f"{store_dtype}-{n}"
+            stored = derive_run(redis, data_dir, "src", run, store_dtype, n)
+            row = {"run": run, "store_dtype": store_dtype, "samples": n, "stored_bytes": stored, "load": load()}
+            row.update(train_and_eval(run, env, flags, folder / "logs"))
+            train, result = redis.hgetall(RunKeys(run).train), redis.hgetall(RunKeys(run).eval)
+            row.update(
+                train_samples=int(train["train_samples"]), steps=int(train["step"]),
+                train_tokens_per_s=float(train["tokens_per_s"]), heldout_loss=float(train.get("heldout_loss", "nan")),
+                accept_length=float(result["accept_length"]), accept_rate=json.loads(result["accept_rate"]),
+                eval_mismatches=int(result["mismatches"]), eval_prompts=int(result["prompts"]),
+            )  # fmt: skip
+            figures["runs"].append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        redis_proc.terminate()
+        redis_proc.wait(10)
+        shutil.rmtree(folder, ignore_errors=True)
+    by = {r["run"]: r for r in figures["runs"]}
+    top = max(int(n) for n in args.curve.split(","))
+    if f"fp8-{top}" in by:
+        bf16, fp8 = by[f"bf16-{top}"]["accept_length"], by[f"fp8-{top}"]["accept_length"]
+        figures["fp8_accept_loss"] = round((bf16 - fp8) / bf16, 4)
+    cmd = " ".join(["python bench/quality.py", *sys.argv[1:]])
+    print("wrote", save_result("quality", cmd, figures, load_before))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The durable store: bytes per token, durable write throughput against a raw sequential write of the same
+bytes to the same disk, and read throughput of the trainer's loader (``load_sample``), per storage encoding.
+
+Samples are random states of a model's shape (default: Llama-3-8B's H=4096, 2,048 tokens a sample, which is
+what the DESIGN's disk figures are for; ``--hidden 576`` is SmolLM2). Phases alternate raw, durable, raw, ...
+(A/B/A) so drift shows; reads are measured cold (the files' pages dropped from the page cache with
+``posix_fadvise(DONTNEED)`` after their fsync) and warm.
+
+    python bench/storage.py                       # 8 samples of 2,048 tokens a phase: about 1 GiB written
+    python bench/storage.py --hidden 7168 --samples 16 --writers 4
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from safetensors.torch import save  # noqa: E402
+
+from bench.common import load, save_result  # noqa: E402
+from services.trainer.data import load_sample  # noqa: E402
+from shared.store import encode_states, sample_path, write_sample  # noqa: E402
+
+
+def make_sample(tokens: int, hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, 128000, (tokens,), dtype=torch.int32, generator=g),
+        "loss_mask": torch.ones(tokens, dtype=torch.uint8),
+        "hidden_states": torch.randn(tokens, hidden, generator=g).to(torch.bfloat16),  # as dumped on a GPU
+        "aux_hidden_states": torch.randn(tokens, 3 * hidden, generator=g).to(torch.bfloat16),
+    }
+
+
+def drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def raw_write(folder: Path, blobs: list[bytes]) -> float:
+    """One file, the same bytes written in order, one fsync: the disk's sequential durable ceiling."""
+    path = folder / "raw.bin"
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for blob in blobs:
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t
+    path.unlink()
+    return seconds
+
+
+def durable_write(folder: Path, samples: list[dict], store_dtype: str, writers: int, tag: str) -> tuple[float, list]:
+    """write_sample for every sample (encode, temp, fsync, rename, fsync of the folder), ``writers`` at a time."""
+    paths = [sample_path(folder, "bench", f"{tag}-{i:04d}") for i in range(len(samples))]
+
+    def one(i: int) -> None:
+        write_sample(paths[i], samples[i], {"rid": f"{tag}-{i}"}, writer=f"w{i % writers}", store_dtype=store_dtype)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(writers) as pool:
+        list(pool.map(one, range(len(samples))))
+    return time.perf_counter() - t, paths
+
+
+def read_all(paths: list[Path], cold: bool) -> float:
+    if cold:
+        for p in paths:
+            drop_cache(p)
+    t = time.perf_counter()
+    for p in paths:
+        s = load_sample(p, torch.float32)  # the CPU trainer's dtype; bf16 on GPU
+        assert s["hidden_states"].shape[0] == s["input_ids"].shape[0]
+    return time.perf_counter() - t
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=2048, help="tokens a sample")
+    p.add_argument("--samples", type=int, default=8, help="samples a phase")
+    p.add_argument("--writers", type=int, default=1, help="concurrent writers (threads), as workers on one host")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dtypes", default="bf16,fp8", help="storage encodings to compare")
+    p.add_argument("--folder", type=Path, help="on the disk to measure (default: a temp folder under var/)")
+    args = p.parse_args()
+    load_before = load()
+    (ROOT / "var").mkdir(exist_ok=True)
+    folder = args.folder or Path(tempfile.mkdtemp(prefix="bench-storage-", dir=ROOT / "var"))
+    samples = [make_sample(args.tokens, args.hidden, i) for i in range(args.samples)]
+    tokens = args.tokens * args.samples
+    reference = 4 * args.hidden * 2  # four bf16 states a token
+    figures: dict = {"hidden": args.hidden, "tokens_per_sample": args.tokens, "samples_per_phase": args.samples,
+                     "writers": args.writers, "bf16_states_bytes_per_token": reference, "dtypes": {}}  # fmt: skip
+    try:
+        for dtype in args.dtypes.split(","):
+            # what the durable write puts on disk, encoded outside the timing for the raw write of the same bytes
+            blobs = [save({k: v.contiguous() for k, v in encode_states(s, {"rid": "x"}, dtype)[0].items()})
+                     for s in samples]  # fmt: skip
+            nbytes = sum(map(len, blobs))
+            rows, paths = [], []
+            for n, kind in enumerate(["raw", "durable"] * args.rounds + ["raw"]):
+                row = {"phase": n, "kind": kind, "load": load()}
+                if kind == "raw":
+                    seconds = raw_write(folder, blobs)
+                else:
+                    shutil.rmtree(folder / "runs", ignore_errors=True)
+                    seconds, paths = durable_write(folder, samples, dtype, args.writers, f"{dtype}{n}")
+                row.update(seconds=round(seconds, 3), MBps=round(nbytes / seconds / 1e6, 1))
+                rows.append(row)
+                print(dtype, json.dumps(row), flush=True)
+            stored = sum(p.stat().st_size for p in paths)
+            reads = {"cold": [], "warm": []}
+            for _ in range(args.rounds):
+                for mode in ("cold", "warm"):
+                    reads[mode].append(read_all(paths, mode == "cold"))
+            raw = statistics.mean(r["MBps"] for r in rows if r["kind"] == "raw")
+            durable = statistics.mean(r["MBps"] for r in rows if r["kind"] == "durable")
+            figures["dtypes"][dtype] = {
+                "bytes_per_token": round(stored / tokens, 1),
+                "over_4H_bf16": round(stored / tokens / reference, 3),
+                "raw_write_MBps": round(raw, 1),
+                "durable_write_MBps": round(durable, 1),
+                "durable_over_raw": round(durable / raw, 3),
+                "durable_tokens_per_s": round(durable * 1e6 / (stored / tokens), 1),
+                "read_cold_MBps": round(stored / statistics.median(reads["cold"]) / 1e6, 1),
+                "read_warm_MBps": round(stored / statistics.median(reads["warm"]) / 1e6, 1),
+                "read_cold_tokens_per_s": round(tokens / statistics.median(reads["cold"]), 1),
+                "read_warm_tokens_per_s": round(tokens / statistics.median(reads["warm"]), 1),
+                "phases": rows,
+            }
+            print(dtype, json.dumps({k: v for k, v in figures["dtypes"][dtype].items() if k != "phases"}), flush=True)
+    finally:
+        if args.folder is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    cmd = " ".join(["python bench/storage.py", *sys.argv[1:]])
+    print("wrote", save_result(f"storage-h{args.hidden}", cmd, figures, load_before))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
