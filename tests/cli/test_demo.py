@@ -1,0 +1,48 @@
+"""``eaglet demo`` end to end, as a newcomer runs it, on the tiny Llama: ingest → extract → train → eval."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, free_port
+
+
+@pytest.mark.slow
+def test_demo_runs_to_a_drafter_and_its_acceptance_length(tmp_path, redis_server, tiny_model_dir):
+    env = {
+        **os.environ,
+        "EAGLET_MODEL": str(tiny_model_dir),
+        "EAGLET_REDIS_URL": redis_server.url,
+        "EAGLET_DATA_DIR": str(tmp_path / "data"),
+        "EAGLET_DUMP_DIR": str(tmp_path / "dump"),
+        "EAGLET_DATASET_ROOTS": str(tmp_path),
+    }
+    argv = [
+        "--limit",
+        "12",
+        "--max-steps",
+        "2",
+        "--eval-prompts",
+        "3",
+        "--port",
+        str(free_port()),
+        "--gateway-port",
+        str(free_port()),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "demo", *argv],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "extraction complete: 12 done, 0 failed" in out
+    assert "acceptance length" in out and "outputs equal plain greedy: yes" in out
+    [run_dir] = (tmp_path / "data" / "runs").iterdir()
+    assert (run_dir / "drafter" / "config.json").is_file() and (run_dir / "drafter" / "model.safetensors").is_file()
+    assert len(list((run_dir / "hidden").rglob("*.safetensors"))) == 12
