@@ -26,7 +26,7 @@ from shared.samples import SampleSet
 from shared.store import samples_dir
 from tests.reliability.helpers import TOKEN, gateway_settings
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 json_scalars = (
     st.none()
     | st.booleans()

@@ -1,0 +1,108 @@
+"""A bounded load on loopback: /status at 200 requests/s for 60 s against the gateway run as its own process,
+while a run progresses and workers beat. Zero errors; p50 and p99 reported."""
+
+import asyncio
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.heartbeats import WorkerState, beat, report_inference
+from shared.runstate import RunState
+from tests.reliability.helpers import free_port, wait_for
+
+log = logging.getLogger(__name__)
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+RPS = 200
+SECONDS = float(os.environ.get("EAGLET_LOAD_SECONDS", "60"))
+
+
+@pytest.fixture
+def gateway_process(redis_server, tmp_path):
+    port = free_port()
+    env = {**os.environ, "EAGLET_REDIS_URL": redis_server.url, "EAGLET_PORT": str(port), "EAGLET_API_TOKEN": "",
+           "EAGLET_DATA_DIR": str(tmp_path)}  # fmt: skip
+    log_file = open(tmp_path / "gateway.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.gateway.main"], cwd=ROOT, env=env, stdout=log_file,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_for("the gateway", lambda: _up(url) or proc.poll() is not None, 60, 0.1)
+    assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/status", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def progress(redis, stop: threading.Event) -> None:
+    """A run of 100 K samples progressing under the load, 8 workers beating: /status reads a live state."""
+    state = RunState(redis, "load")
+    state.create(dataset="d.jsonl", model="tiny")
+    state.start_extraction()
+    state.set_total(100_000, 100_000 * 2350)
+    i = 0
+    while not stop.is_set():
+        state.start_attempt(i, f"w{i % 8}")
+        state.mark_done(i, 2350, 2350 * 32768)
+        if i % 50 == 7:
+            state.record_error(i, f"s{i}", "transient: inference server unreachable", f"w{i % 8}")
+        for w in range(8):
+            beat(redis, f"w{w}", state=WorkerState.busy, host="h", pid=w, inference_url="http://inf",
+                 run="load", sample=f"s{i}", disk_free=10**13, disk_total=2 * 10**13)  # fmt: skip
+        report_inference(redis, "http://inf", ok=True)
+        i += 1
+        stop.wait(0.02)
+
+
+async def open_loop(url: str) -> tuple[list[float], list[str]]:
+    """Request i leaves at t0 + i/RPS whatever the answers before it: a slow server shows in the latencies."""
+    ms, errors = [], []
+    async with httpx.AsyncClient(base_url=url, timeout=30, limits=httpx.Limits(max_connections=64)) as client:
+
+        async def one(at: float) -> None:
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            t = time.perf_counter()
+            try:
+                response = await client.get("/status")
+                response.raise_for_status()
+                assert response.json()["runs"][0]["run_id"] == "load"
+                ms.append((time.perf_counter() - t) * 1000)
+            except (httpx.HTTPError, AssertionError, ValueError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+
+        t0 = time.perf_counter() + 0.1
+        await asyncio.gather(*(one(t0 + i / RPS) for i in range(int(RPS * SECONDS))))
+    return ms, errors
+
+
+def test_status_under_a_steady_load(redis, gateway_process):
+    stop = threading.Event()
+    writer = threading.Thread(target=progress, args=(redis, stop), daemon=True)
+    writer.start()
+    wait_for("the run", lambda: redis.exists(RunState(redis, "load").keys.meta), 10)
+    started = time.perf_counter()
+    try:
+        ms, errors = asyncio.run(open_loop(gateway_process))
+    finally:
+        stop.set()
+        writer.join(10)
+    elapsed = time.perf_counter() - started
+    q = statistics.quantiles(ms, n=100) if len(ms) > 1 else [0] * 99
+    log.warning("load: %d requests of /status in %.1f s (%.0f/s offered), %d errors; p50 %.1f ms, p99 %.1f ms, "
+                "max %.1f ms", len(ms) + len(errors), elapsed, RPS, len(errors), q[49], q[98], max(ms))  # fmt: skip
+    assert not errors, errors[:5]
+    assert len(ms) == int(RPS * SECONDS)
