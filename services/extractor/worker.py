@@ -21,6 +21,7 @@ from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, SimpleWorker
+from rq.exceptions import StopRequested
 
 from services.extractor import jobs
 from services.extractor.extract import Extractor
@@ -191,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.burst and not any(q.name != CONTROL_QUEUE for q in queues):
                     break
                 stop.wait(IDLE_POLL_S)
+    except StopRequested:  # SIGTERM while idle between bursts: RQ's handler is still installed
+        log.info("%s: stopping", name)
     finally:
         stop.set()
         try:
