@@ -81,6 +81,7 @@ def _from_environment() -> Extractor:
         worker=f"{socket.gethostname()}:{os.getpid()}",
         dump_wait_s=settings.dump_wait_s,
         max_attempts=settings.max_attempts,
+        store_dtype=settings.store_dtype,
     )
     configure(extractor)
     return extractor

@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         instance=instance,
         dump_wait_s=settings.dump_wait_s,
         max_attempts=settings.max_attempts,
+        store_dtype=settings.store_dtype,
         on_state=status.set,
     )
     jobs.configure(extractor)
