@@ -28,9 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO_TRAIN = ROOT / "data" / "demo" / "train.jsonl"
 DEMO_EVAL = ROOT / "data" / "demo" / "eval.jsonl"
 # Sized for a 2-core CPU: a few minutes of training, a short evaluation. A GPU run uses the defaults.
-DEMO_TRAIN_FLAGS = ["--ttt-steps", "3", "--draft-vocab-size", "4096", "--epochs", "2", "--max-len", "512"]
-DEMO_TRAIN_FLAGS += ["--max-tokens", "4096", "--workers", "0", "--checkpoint-every", "25", "--lr", "3e-4"]
-DEMO_EVAL_FLAGS = ["--eval-k", "3", "--eval-max-new-tokens", "64"]
+# A small drafter learns from 59 k tokens only with a higher rate and small batches (many updates).
+DEMO_TRAIN_FLAGS = ["--ttt-steps", "2", "--draft-vocab-size", "4096", "--epochs", "3", "--max-len", "512"]
+DEMO_TRAIN_FLAGS += ["--max-tokens", "2048", "--workers", "0", "--checkpoint-every", "50", "--lr", "1e-3"]
+DEMO_EVAL_FLAGS = ["--eval-k", "2", "--eval-max-new-tokens", "48"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000, help="the inference server's port")
     parser.add_argument("--gateway-port", type=int, default=8000)
     parser.add_argument("--max-steps", type=int, default=0, help="cap the training steps (0: the epochs decide)")
-    parser.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts to decode speculatively")
+    parser.add_argument("--eval-prompts", type=int, default=10, help="held-out prompts to decode speculatively")
     args = parser.parse_args(argv)
     console = Console()
     settings = Settings(inference_url=f"http://127.0.0.1:{args.port}")
