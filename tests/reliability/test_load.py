@@ -71,7 +71,9 @@ def progress(redis, stop: threading.Event) -> None:
 async def open_loop(url: str) -> tuple[list[float], list[str]]:
     """Request i leaves at t0 + i/RPS whatever the answers before it: a slow server shows in the latencies."""
     ms, errors = [], []
-    async with httpx.AsyncClient(base_url=url, timeout=30, limits=httpx.Limits(max_connections=64)) as client:
+    # Waiting for one of the client's own 64 connections is the client's queue, not a server error: no pool timeout.
+    timeout = httpx.Timeout(30, pool=None)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=64)) as client:
 
         async def one(at: float) -> None:
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
