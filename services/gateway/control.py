@@ -87,7 +87,7 @@ def resolve_dataset(dataset: str, roots: list[Path]) -> Path:
     path = Path(dataset)
     try:
         real = path.resolve(strict=True)
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, ValueError) as e:  # ValueError: an embedded NUL byte
         raise DatasetRefused(f"dataset {dataset!r}: no such file") from e
     if not real.is_file():
         raise DatasetRefused(f"dataset {dataset!r}: not a file; give a JSONL file")

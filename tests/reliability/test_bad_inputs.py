@@ -199,11 +199,6 @@ def test_dump_and_sample_paths_never_leave_their_folder():
     check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway: control.resolve_dataset lets Path.resolve's ValueError (embedded NUL) escape as a 500; "
-    "catch ValueError with OSError there (the gateway's owner is fixing it; remove this mark then)",
-)
 def test_a_dataset_path_with_a_nul_byte_is_refused_not_a_crash(gateway_client):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     response = gateway_client.post("/runs", json={"dataset": "ok\x00.jsonl"}, headers=auth)
