@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,8 +62,15 @@ def test_watch_redraws_until_interrupted(fake_run, redis_server):
         [*cmd, "r1", "--watch", "--interval", "0.2", "--redis-url", redis_server.url],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    time.sleep(2.5)
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(256), "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120  # a loaded machine takes long to import; wait for two draws, not a fixed time
+    while "".join(chunks).count("extraction") < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=10)
+    proc.wait(timeout=60)
+    reader.join(10)
+    out, err = "".join(chunks), proc.stderr.read()
     assert proc.returncode == 0, err
     assert out.count("extraction") >= 2  # drawn, then redrawn
