@@ -54,13 +54,13 @@ def test_table_and_unknown_run(fake_run, redis_server, capsys):
     assert main(["--redis-url", "redis://127.0.0.1:1/0"]) == 2
 
 
-def test_watch_redraws_until_interrupted(fake_run, redis_server):
+def test_watch_redraws_until_interrupted(fake_run, redis_server, tmp_path):
     seed(fake_run)
     env = {**os.environ, "COLUMNS": "120", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}  # as in a terminal
     cmd = [sys.executable, "-c", "import sys; from cli.status import main; sys.exit(main(sys.argv[1:]))"]
     proc = subprocess.Popen(
         [*cmd, "r1", "--watch", "--interval", "0.2", "--redis-url", redis_server.url],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / "stderr", "w"), text=True,
     )  # fmt: skip
     chunks: list[str] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(256), "")), daemon=True)
@@ -71,6 +71,7 @@ def test_watch_redraws_until_interrupted(fake_run, redis_server):
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     reader.join(10)
-    out, err = "".join(chunks), proc.stderr.read()
+    # stderr goes to a file: an unread pipe fills up and blocks the child (log lines on every redraw)
+    out, err = "".join(chunks), (tmp_path / "stderr").read_text()
     assert proc.returncode == 0, err
     assert out.count("extraction") >= 2  # drawn, then redrawn
