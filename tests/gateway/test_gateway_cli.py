@@ -61,6 +61,8 @@ def test_watch_redraws_until_interrupted(fake_run, redis_server, tmp_path):
     proc = subprocess.Popen(
         [*cmd, "r1", "--watch", "--interval", "0.2", "--redis-url", redis_server.url],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / "stderr", "w"), text=True,
+        # As from a terminal: a shell that starts the tests in the background leaves SIGINT ignored for its children.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     chunks: list[str] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(256), "")), daemon=True)
@@ -69,7 +71,10 @@ def test_watch_redraws_until_interrupted(fake_run, redis_server, tmp_path):
     while "".join(chunks).count("extraction") < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
+    try:
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
     reader.join(10)
     # stderr goes to a file: an unread pipe fills up and blocks the child (log lines on every redraw)
     out, err = "".join(chunks), (tmp_path / "stderr").read_text()
