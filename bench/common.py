@@ -39,12 +39,13 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def start_redis(folder: Path) -> tuple[subprocess.Popen, str]:
+def start_redis(folder: Path, *, appendonly: bool = True) -> tuple[subprocess.Popen, str]:
     """A redis-server of the benchmark's own, AOF on with the default everysec fsync (as compose runs it)."""
     port = free_port()
     folder.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "yes", "--dir", str(folder)], stdout=subprocess.DEVNULL)  # fmt: skip
+                             "--appendonly", "yes" if appendonly else "no", "--dir", str(folder)],
+                            stdout=subprocess.DEVNULL)  # fmt: skip
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(200):
         try:

@@ -15,8 +15,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,15 +28,10 @@ from redis import Redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import free_port, start_redis  # noqa: E402
 from shared.heartbeats import WorkerState, beat, report_inference  # noqa: E402
 from shared.keys import RunKeys  # noqa: E402
 from shared.runstate import ERRORS_CAP, RECENT_CAP, RunState  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def seed(redis: Redis, run_id: str, samples: int, workers: int) -> None:
@@ -72,20 +65,6 @@ def seed(redis: Redis, run_id: str, samples: int, workers: int) -> None:
              disk_free=4 * 10**12, disk_total=8 * 10**12)  # fmt: skip
     for h in range(max(1, workers // 8)):
         report_inference(redis, f"http://host{h}:30000", ok=True, model="bench")
-
-
-def start_redis(folder: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(folder)], stdout=subprocess.DEVNULL)  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(100):
-        try:
-            if Redis.from_url(url).ping():
-                return proc, url
-        except Exception:
-            time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
 
 
 def start_gateway(redis_url: str) -> tuple[subprocess.Popen, str]:
@@ -150,7 +129,7 @@ def main() -> int:
     args = p.parse_args()
     random.seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        redis_proc, redis_url = (None, args.redis_url) if args.redis_url else start_redis(Path(tmp))
+        redis_proc, redis_url = (None, args.redis_url) if args.redis_url else start_redis(Path(tmp), appendonly=False)
         gateway = None
         try:
             redis = Redis.from_url(redis_url, decode_responses=True)
