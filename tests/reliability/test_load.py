@@ -1,5 +1,7 @@
-"""A bounded load on loopback: /status at 200 requests/s for 60 s against the gateway run as its own process,
-while a run progresses and workers beat. Zero errors; p50 and p99 reported."""
+"""Many clients at once on loopback: 32 concurrent clients read /status 3,000 times from the gateway run as
+its own process, while a run progresses and workers beat. Every answer is a valid report and no client ever
+sees the run go backwards. Latencies are logged, not asserted: speed is measured in
+``bench/status_latency.py``, which offers a fixed request rate."""
 
 import asyncio
 import logging
@@ -21,12 +23,12 @@ from tests.reliability.helpers import free_port, wait_for
 log = logging.getLogger(__name__)
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-RPS = 200
-SECONDS = float(os.environ.get("EAGLET_LOAD_SECONDS", "60"))
+CLIENTS, REQUESTS = 32, 3000
 
 
 @pytest.fixture
 def gateway_process(redis_server, tmp_path):
+    """``python -m services.gateway.main``, the entry point a deployment runs."""
     port = free_port()
     env = {**os.environ, "EAGLET_REDIS_URL": redis_server.url, "EAGLET_PORT": str(port), "EAGLET_API_TOKEN": "",
            "EAGLET_DATA_DIR": str(tmp_path)}  # fmt: skip
@@ -68,45 +70,48 @@ def progress(redis, stop: threading.Event) -> None:
         stop.wait(0.02)
 
 
-async def open_loop(url: str) -> tuple[list[float], list[str]]:
-    """Request i leaves at t0 + i/RPS whatever the answers before it: a slow server shows in the latencies."""
-    ms, errors = [], []
-    # Waiting for one of the client's own 64 connections is the client's queue, not a server error: no pool timeout.
-    timeout = httpx.Timeout(30, pool=None)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=64)) as client:
+async def closed_loop(url: str) -> tuple[list[float], list[str]]:
+    """CLIENTS clients, each sending its next request when the last is answered, REQUESTS in all."""
+    ms, errors, left = [], [], iter(range(REQUESTS))
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=CLIENTS)) as client:
 
-        async def one(at: float) -> None:
-            await asyncio.sleep(max(0.0, at - time.perf_counter()))
-            t = time.perf_counter()
-            try:
-                response = await client.get("/status")
-                response.raise_for_status()
-                assert response.json()["runs"][0]["run_id"] == "load"
-                ms.append((time.perf_counter() - t) * 1000)
-            except (httpx.HTTPError, AssertionError, ValueError) as e:
-                errors.append(f"{type(e).__name__}: {e}")
+        async def one_client() -> None:
+            last_done = 0
+            for _ in left:
+                t = time.perf_counter()
+                try:
+                    response = await client.get("/status")
+                    response.raise_for_status()
+                    [run] = response.json()["runs"]
+                    done = run["extraction"]["done"]
+                    assert run["run_id"] == "load" and done >= last_done, (run["run_id"], last_done, done)
+                    last_done = done
+                    ms.append((time.perf_counter() - t) * 1000)
+                except (httpx.HTTPError, AssertionError, ValueError, KeyError) as e:
+                    errors.append(f"{type(e).__name__}: {e}")
 
-        t0 = time.perf_counter() + 0.1
-        await asyncio.gather(*(one(t0 + i / RPS) for i in range(int(RPS * SECONDS))))
+        await asyncio.gather(*(one_client() for _ in range(CLIENTS)))
     return ms, errors
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # the backlog drains slowly on a loaded machine; the test bounds errors, not time
-def test_status_under_a_steady_load(redis, gateway_process):
+@pytest.mark.timeout(900)
+def test_status_under_many_concurrent_clients(redis, gateway_process):
     stop = threading.Event()
     writer = threading.Thread(target=progress, args=(redis, stop), daemon=True)
     writer.start()
     wait_for("the run", lambda: redis.exists(RunState(redis, "load").keys.meta), 10)
     started = time.perf_counter()
     try:
-        ms, errors = asyncio.run(open_loop(gateway_process))
+        ms, errors = asyncio.run(closed_loop(gateway_process))
+        done_at_end = RunState(redis, "load").counts()["done"]
     finally:
         stop.set()
         writer.join(10)
     elapsed = time.perf_counter() - started
     q = statistics.quantiles(ms, n=100) if len(ms) > 1 else [0] * 99
-    log.warning("load: %d requests of /status in %.1f s (%.0f/s offered), %d errors; p50 %.1f ms, p99 %.1f ms, "
-                "max %.1f ms", len(ms) + len(errors), elapsed, RPS, len(errors), q[49], q[98], max(ms))  # fmt: skip
+    log.warning("load: %d requests of /status from %d clients in %.1f s (%.0f/s), %d errors; p50 %.1f ms, "
+                "p99 %.1f ms", len(ms) + len(errors), CLIENTS, elapsed, REQUESTS / elapsed, len(errors), q[49],
+                q[98])  # fmt: skip
     assert not errors, errors[:5]
-    assert len(ms) == int(RPS * SECONDS)
+    assert len(ms) == REQUESTS
+    assert done_at_end > 0, "the run did not progress under the load: the test read a still state"
