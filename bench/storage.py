@@ -2,9 +2,12 @@
 bytes to the same disk, and read throughput of the trainer's loader (``load_sample``), per storage encoding.
 
 Samples are random states of a model's shape (default: Llama-3-8B's H=4096, 2,048 tokens a sample, which is
-what the DESIGN's disk figures are for; ``--hidden 576`` is SmolLM2). Phases alternate raw, durable, raw, ...
-(A/B/A) so drift shows; reads are measured cold (the files' pages dropped from the page cache with
-``posix_fadvise(DONTNEED)`` after their fsync) and warm.
+what the DESIGN's disk figures are for; ``--hidden 576`` is SmolLM2), left as dumps in shared memory as an
+inference server leaves them. "durable" is the extractor's store step from the dump (map, check, write with
+the kernel copying kept states file to file); "memory" is the same with the dump loaded into memory first
+(the path before the kernel copy). Phases go raw, durable, memory, raw, ... so drift shows; reads are
+measured cold (the files' pages dropped from the page cache with ``posix_fadvise(DONTNEED)`` after their
+fsync) and warm.
 
     python bench/storage.py                       # 8 samples of 2,048 tokens a phase: about 1 GiB written
     python bench/storage.py --hidden 7168 --samples 16 --writers 4
@@ -30,6 +33,7 @@ from safetensors.torch import save  # noqa: E402
 
 from bench.common import load, save_result  # noqa: E402
 from services.trainer.data import load_sample  # noqa: E402
+from shared.dumpfile import dump_path, read_dump, validate_dump, write_dump  # noqa: E402
 from shared.store import encode_states, sample_path, write_sample  # noqa: E402
 
 
@@ -69,12 +73,33 @@ def raw_write(folder: Path, blobs: list[bytes]) -> float:
     return seconds
 
 
-def durable_write(folder: Path, samples: list[dict], store_dtype: str, writers: int, tag: str) -> tuple[float, list]:
-    """write_sample for every sample (encode, temp, fsync, rename, fsync of the folder), ``writers`` at a time."""
-    paths = [sample_path(folder, "bench", f"{tag}-{i:04d}") for i in range(len(samples))]
+def write_dumps(dump_dir: Path, samples: list[dict], tag: str) -> list[str]:
+    """The samples' states as an inference server leaves them: one dump file each, in the dump dir."""
+    rids = [f"eaglet:bench:{tag}-{i:04d}:1" for i in range(len(samples))]
+    for rid, s in zip(rids, samples, strict=True):
+        write_dump(dump_dir, rid, s["hidden_states"], s["aux_hidden_states"], aux_layer_ids=[2, 16, 29], model="m")
+    return rids
+
+
+def durable_write(
+    folder: Path, dump_dir: Path, rids: list[str], samples: list[dict], store_dtype: str, writers: int, mode: str
+) -> tuple[float, list]:
+    """The extractor's store step for every sample, ``writers`` at a time: map the dump, check it, then
+    ``write_sample`` (encode, temp, fsync, rename, fsync of the folder). ``mode`` "kernel": kept states are
+    copied file to file (the extractor's path); "memory": the dump is first loaded into memory (the old path)."""
+    paths = [sample_path(folder, "bench", f"{mode}-{i:04d}") for i in range(len(samples))]
+    hidden = samples[0]["hidden_states"].shape[1]
 
     def one(i: int) -> None:
-        write_sample(paths[i], samples[i], {"rid": f"{tag}-{i}"}, writer=f"w{i % writers}", store_dtype=store_dtype)
+        dump = read_dump(dump_path(dump_dir, rids[i]))
+        tokens = dump.hidden_states.shape[0]
+        validate_dump(dump, rid=rids[i], num_tokens=tokens, hidden_size=hidden)
+        states = {"hidden_states": dump.hidden_states, "aux_hidden_states": dump.aux_hidden_states}
+        if mode == "memory":
+            states = {k: v.clone() for k, v in states.items()}
+        tensors = {"input_ids": samples[i]["input_ids"], "loss_mask": samples[i]["loss_mask"], **states}
+        write_sample(paths[i], tensors, dump.metadata, writer=f"w{i % writers}", store_dtype=store_dtype,
+                     slices=dump.slices if mode == "kernel" else None)  # fmt: skip
 
     t = time.perf_counter()
     with ThreadPoolExecutor(writers) as pool:
@@ -102,7 +127,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtypes", default="bf16,fp8", help="storage encodings to compare")
     p.add_argument("--folder", type=Path, help="on the disk to measure (default: a temp folder under var/)")
+    p.add_argument(
+        "--dump-dir",
+        type=Path,
+        default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
+        help="where the dumps lie, as the servers' shared-memory dump dir (default: /dev/shm)",
+    )
     args = p.parse_args()
+    torch.set_num_threads(1)  # as an extractor worker: one thread a process, workers scale by process
     load_before = load()
     (ROOT / "var").mkdir(exist_ok=True)
     folder = args.folder or Path(tempfile.mkdtemp(prefix="bench-storage-", dir=ROOT / "var"))
@@ -111,20 +143,23 @@ def main() -> int:
     reference = 4 * args.hidden * 2  # four bf16 states a token
     figures: dict = {"hidden": args.hidden, "tokens_per_sample": args.tokens, "samples_per_phase": args.samples,
                      "writers": args.writers, "bf16_states_bytes_per_token": reference, "dtypes": {}}  # fmt: skip
+    dump_dir = Path(tempfile.mkdtemp(prefix="bench-dumps-", dir=args.dump_dir))
     try:
         for dtype in args.dtypes.split(","):
+            rids = write_dumps(dump_dir, samples, dtype)
             # what the durable write puts on disk, encoded outside the timing for the raw write of the same bytes
             blobs = [save({k: v.contiguous() for k, v in encode_states(s, {"rid": "x"}, dtype)[0].items()})
                      for s in samples]  # fmt: skip
             nbytes = sum(map(len, blobs))
             rows, paths = [], []
-            for n, kind in enumerate(["raw", "durable"] * args.rounds + ["raw"]):
+            for n, kind in enumerate(["raw", "durable", "memory"] * args.rounds + ["raw"]):
                 row = {"phase": n, "kind": kind, "load": load()}
                 if kind == "raw":
                     seconds = raw_write(folder, blobs)
                 else:
                     shutil.rmtree(folder / "runs", ignore_errors=True)
-                    seconds, paths = durable_write(folder, samples, dtype, args.writers, f"{dtype}{n}")
+                    mode = "kernel" if kind == "durable" else "memory"
+                    seconds, paths = durable_write(folder, dump_dir, rids, samples, dtype, args.writers, mode)
                 row.update(seconds=round(seconds, 3), MBps=round(nbytes / seconds / 1e6, 1))
                 rows.append(row)
                 print(dtype, json.dumps(row), flush=True)
@@ -135,12 +170,15 @@ def main() -> int:
                     reads[mode].append(read_all(paths, mode == "cold"))
             raw = statistics.mean(r["MBps"] for r in rows if r["kind"] == "raw")
             durable = statistics.mean(r["MBps"] for r in rows if r["kind"] == "durable")
+            memory = statistics.mean(r["MBps"] for r in rows if r["kind"] == "memory")
             figures["dtypes"][dtype] = {
                 "bytes_per_token": round(stored / tokens, 1),
                 "over_4H_bf16": round(stored / tokens / reference, 3),
                 "raw_write_MBps": round(raw, 1),
                 "durable_write_MBps": round(durable, 1),
                 "durable_over_raw": round(durable / raw, 3),
+                "through_memory_MBps": round(memory, 1),
+                "through_memory_over_raw": round(memory / raw, 3),
                 "durable_tokens_per_s": round(durable * 1e6 / (stored / tokens), 1),
                 "read_cold_MBps": round(stored / statistics.median(reads["cold"]) / 1e6, 1),
                 "read_warm_MBps": round(stored / statistics.median(reads["warm"]) / 1e6, 1),
@@ -150,6 +188,7 @@ def main() -> int:
             }
             print(dtype, json.dumps({k: v for k, v in figures["dtypes"][dtype].items() if k != "phases"}), flush=True)
     finally:
+        shutil.rmtree(dump_dir, ignore_errors=True)
         if args.folder is None:
             shutil.rmtree(folder, ignore_errors=True)
     cmd = " ".join(["python bench/storage.py", *sys.argv[1:]])

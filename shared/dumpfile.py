@@ -13,16 +13,17 @@ convention: the index of the layer whose input was captured), ``model``, ``dtype
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from shared.ids import check_rid
+from shared.tensorfile import FileSlice, TensorFileError, map_tensors, read_header
 
 SUFFIX = ".safetensors"
+FINITE_CHECK_BYTES = 4 << 20
 
 
 class DumpInvalid(ValueError):
@@ -34,6 +35,8 @@ class Dump:
     hidden_states: torch.Tensor  # [T, H]
     aux_hidden_states: torch.Tensor  # [T, 3H]
     metadata: dict[str, str]
+    slices: dict[str, FileSlice] = field(default_factory=dict)
+    """Where the two tensors lie in the dump file: a store that keeps them as they are copies these."""
 
     @property
     def aux_layer_ids(self) -> list[int]:
@@ -77,14 +80,13 @@ def write_dump(
 
 
 def read_dump(path: Path) -> Dump:
-    """Loads a dump; any unreadable file raises ``DumpInvalid`` naming it."""
+    """Maps a dump into memory (nothing is read until used); any unreadable file raises ``DumpInvalid``."""
     try:
-        tensors = load_file(str(path))
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            metadata = json.loads(f.read(header_len)).get("__metadata__", {})
-        return Dump(tensors["hidden_states"], tensors["aux_hidden_states"], metadata)
-    except (SafetensorError, KeyError, ValueError, OSError) as e:
+        header = read_header(path)
+        tensors = map_tensors(header)
+        slices = {k: header.slices[k] for k in ("hidden_states", "aux_hidden_states")}
+        return Dump(tensors["hidden_states"], tensors["aux_hidden_states"], header.metadata, slices)
+    except (TensorFileError, KeyError, ValueError, OSError) as e:
         raise DumpInvalid(f"dump {path.name}: unreadable ({type(e).__name__}: {e})") from e
 
 
@@ -106,7 +108,9 @@ def validate_dump(dump: Dump, *, rid: str, num_tokens: int, hidden_size: int, nu
     if dump.metadata.get("num_tokens") != str(num_tokens):
         raise DumpInvalid(f"{where}: metadata num_tokens {dump.metadata.get('num_tokens')!r}, expected {num_tokens}")
     for name, t in (("hidden_states", h), ("aux_hidden_states", aux)):
-        finite = torch.isfinite(t).all(dim=-1)
-        if not bool(finite.all()):
-            bad = int((~finite).nonzero()[0, 0])
-            raise DumpInvalid(f"{where}: {name} has NaN/Inf (first at token {bad})")
+        rows = max(1, FINITE_CHECK_BYTES // max(1, t[0].nbytes))  # a few MB at a time: no [T, D] mask of bools
+        for start in range(0, num_tokens, rows):
+            finite = torch.isfinite(t[start : start + rows]).all(dim=-1)
+            if not bool(finite.all()):
+                bad = start + int((~finite).nonzero()[0, 0])
+                raise DumpInvalid(f"{where}: {name} has NaN/Inf (first at token {bad})")

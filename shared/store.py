@@ -18,15 +18,14 @@ metadata ``storage: fp8_e4m3``), half the bytes of bf16. ``encode_states`` and `
 only code that knows these encodings.
 """
 
-import json
 import os
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save
 
 from shared.ids import check_id, fanout
+from shared.tensorfile import FileSlice, TensorFileError, read_header, write_tensors
 
 SAMPLE_TENSORS = ("input_ids", "loss_mask", "hidden_states", "aux_hidden_states")
 STATE_TENSORS = ("hidden_states", "aux_hidden_states")
@@ -109,21 +108,24 @@ def write_sample(
     *,
     writer: str | None = None,
     store_dtype: str = "model",
+    slices: dict[str, FileSlice] | None = None,
 ) -> int:
     """Writes one sample file durably (temp, fsync, rename, fsync of the folder); returns its size.
 
     ``writer`` names the temp file (default: the pid); one writer writes one file at a time. ``store_dtype``:
-    see ``encode_states``."""
-    tensors, metadata = encode_states(tensors, metadata, store_dtype)
-    blob = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+    see ``encode_states``. ``slices``: where state tensors already lie in a file (the dump they came from);
+    a state stored as it is is then copied file to file by the kernel, never through this process."""
+    encoded, metadata = encode_states(tensors, metadata, store_dtype)
+    parts: dict[str, torch.Tensor | FileSlice] = {}
+    for name in sorted(encoded, key=lambda k: -encoded[k].nbytes):  # largest first: every part stays aligned
+        kept = slices is not None and name in slices and encoded[name] is tensors.get(name)
+        parts[name] = slices[name] if kept else encoded[name]
     tmp = partial_path(path, writer or str(os.getpid()))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # inside the try: a full disk fails here too
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(blob)
-            while view:
-                view = view[os.write(fd, view) :]
+            size = write_tensors(fd, parts, metadata)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -137,25 +139,18 @@ def write_sample(
         raise StoreError(e.errno, f"writing {path}: {e.strerror or e}") from e
     finally:
         tmp.unlink(missing_ok=True)
-    return len(blob)
+    return size
 
 
 def sample_header(path: Path) -> tuple[dict[str, list[int]], dict[str, str]] | None:
     """Shapes and metadata of a stored sample, from its header alone; None if absent or unreadable."""
     try:
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
-            size = f.seek(0, os.SEEK_END)
-    except (OSError, ValueError):
+        header = read_header(path)
+    except (OSError, TensorFileError):
+        return None  # absent, or truncated or padded: not a file we wrote
+    if any(k not in header.slices for k in SAMPLE_TENSORS):
         return None
-    metadata = header.pop("__metadata__", {}) or {}
-    if any(k not in header for k in SAMPLE_TENSORS):
-        return None
-    end = max(v["data_offsets"][1] for v in header.values())
-    if size != 8 + header_len + end:
-        return None  # truncated or padded: not a file we wrote
-    return {k: v["shape"] for k, v in header.items()}, metadata
+    return {k: list(s.shape) for k, s in header.slices.items()}, header.metadata
 
 
 def sample_is_complete(path: Path, num_tokens: int) -> bool:

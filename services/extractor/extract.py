@@ -65,8 +65,9 @@ class Extractor:
         rejected, waited, backoff = 0, 0.0, 0
         while True:
             attempt = state.start_attempt(sample.index, self.worker, self.instance)
+            timings: dict[str, float] = {}
             try:
-                nbytes = self._attempt(state, sample, path, attempt)
+                nbytes = self._attempt(state, sample, path, attempt, timings)
             except Transient as e:
                 delay = self.backoff_s[min(backoff, len(self.backoff_s) - 1)]
                 backoff += 1
@@ -88,18 +89,30 @@ class Extractor:
                 log.warning("%s: sample %s attempt %d rejected: %s", self.worker, sample.sample_id, attempt, e)
                 continue
             state.mark_done(sample.index, len(sample.input_ids), nbytes)
-            return "done"
+            return "done (" + ", ".join(f"{stage} {seconds:.3f}s" for stage, seconds in timings.items()) + ")"
 
-    def _attempt(self, state: RunState, sample: Sample, path: Path, attempt: int) -> int:
+    def _attempt(self, state: RunState, sample: Sample, path: Path, attempt: int, timings: dict[str, float]) -> int:
+        """One try; ``timings`` gets the seconds of each stage, for the job's log line: where a worker's time goes."""
         rid = make_rid(state.run_id, sample.sample_id, attempt)
         self.report("busy", state.run_id, sample.sample_id, "")
         dump_file = dump_path(self.dump_dir, rid)
         self._drop_old_dumps(state.run_id, sample.sample_id, attempt)
+        clock = time.perf_counter()
+
+        def lap(stage: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            timings[stage] = now - clock
+            clock = now
+
         try:
             self._prefill(rid, sample)
+            lap("prefill")
             dump = self._wait_for_dump(dump_file, rid)
+            lap("dump_wait")
             meta = self._run_meta(state)
             validate_dump(dump, rid=rid, num_tokens=len(sample.input_ids), hidden_size=meta["hidden_size"])
+            lap("check")
             tensors = {
                 "input_ids": torch.from_numpy(sample.input_ids),
                 "loss_mask": torch.from_numpy(sample.loss_mask),
@@ -108,11 +121,14 @@ class Extractor:
             }
             metadata = {**dump.metadata, "run_id": state.run_id, "sample_id": sample.sample_id}
             try:
-                return write_sample(path, tensors, metadata, writer=self.instance or None, store_dtype=self.store_dtype)
+                nbytes = write_sample(path, tensors, metadata, writer=self.instance or None,
+                                      store_dtype=self.store_dtype, slices=dump.slices)  # fmt: skip
             except StoreError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
                     raise Transient(f"data volume: {e}") from e
                 raise
+            lap("store")
+            return nbytes
         except DumpInvalid as e:
             raise SampleRejected(str(e)) from e
         finally:
@@ -152,7 +168,7 @@ class Extractor:
             if time.monotonic() > deadline:
                 raise SampleRejected(f"no dump for rid {rid} after {self.dump_wait_s:.0f}s (is the dump plugin on?)")
             time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            delay = min(delay * 2, 0.02)  # a dump of a long prompt takes ~0.1 s to write: poll finely
         return read_dump(dump_file)
 
     def sample_set(self, run_id: str) -> SampleSet:

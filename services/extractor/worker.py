@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 import httpx
+import torch
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -148,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     status = Status()
     settings.dump_dir.mkdir(parents=True, exist_ok=True)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # the heartbeat reports its free space from the start
+    # Workers scale by process (one per sample in flight), so each checks its dumps on one thread: torch's
+    # default of a thread per core would put cores × workers threads on the host's cores.
+    torch.set_num_threads(1)
     extractor = Extractor(
         redis=redis,
         http=httpx.Client(base_url=settings.inference_url, timeout=settings.request_timeout_s),

@@ -105,7 +105,7 @@ def test_a_stored_sample_is_never_extracted_twice(redis, settings, tmp_path):
     write_dataset(tmp_path / "data.jsonl", 3)
     start_run(redis, settings, "idem", tmp_path / "data.jsonl", IngestOptions())
     extractor = extractor_for(settings, redis)
-    assert extractor.extract("idem", 1) == "done"
+    assert extractor.extract("idem", 1).startswith("done (prefill ")
     assert extractor.extract("idem", 1) == "already done"
     state = RunState(redis, "idem")
     redis.setbit(state.keys.done, 1, 0)  # the mark lost after the file was stored (a crash in between)
