@@ -14,7 +14,7 @@ for PART in "$@"; do
   if [ -f "$S/$name.done" ]; then echo "$name already installed"; continue; fi
   t0=$(date +%s)
   case $name in
-    p1|p2)
+    p1|p2|pr)
       whls=$(ls "$PART"/*.whl 2>/dev/null || true)
       [ -n "$whls" ] && $PIPI --target $S/site $whls
       if [ -d "$PART/eaglet" ]; then $PIPI --target $S/esite "$PART"/eaglet/*.whl; fi

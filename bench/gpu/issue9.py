@@ -21,6 +21,7 @@ Phases:
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -282,7 +283,8 @@ def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, m
     failures = redis.hgetall(RunKeys(run_id).failures)
     for n in names:
         stop(n, 10)
-    out = {
+    out = {"stage_mean_s": stage_means(names)}
+    out |= {
         "run": run_id,
         "workers": workers,
         "samples": res.samples,
@@ -297,6 +299,22 @@ def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, m
     }
     log(f"{run_id}: {json.dumps(out)[:600]}")
     return out
+
+
+def stage_means(workers: list[str]) -> dict[str, float]:
+    """Mean seconds per stage of a stored sample, from the workers' job log lines ("done (prefill 1.2s, ...)")."""
+    sums: dict[str, float] = {}
+    count = 0
+    for name in workers:
+        for line in (LOGS / f"{name}.log").read_text(errors="replace").splitlines():
+            m = re.search(r": done \((.*)\)$", line)
+            if not m:
+                continue
+            count += 1
+            for part in m.group(1).split(", "):
+                stage, seconds = part.rsplit(" ", 1)
+                sums[stage] = sums.get(stage, 0.0) + float(seconds.rstrip("s"))
+    return {"samples": count, **{k: round(v / max(count, 1), 4) for k, v in sums.items()}}
 
 
 def bench(port: int, prompts: list[list[int]], concurrency: int, rid_prefix: str, wait_dumps: bool) -> dict:
@@ -597,7 +615,8 @@ def phase_ref8b() -> None:
     R = RESULTS.setdefault("ref8b", {})
     model = MODELS / "l8b"
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 49152) for _ in range(2048)] for _ in range(96)]
+    n = int(os.environ.get("REF8B_SAMPLES", "96"))
+    prompts = [[rng.randrange(3, 49152) for _ in range(2048)] for _ in range(n)]
     redis_up()
     R["startup_no_dump_s"] = reference("r8b-nodump", model, dump=False)
     bench(REF_PORT, prompts[:16], 32, "warm-", False)
@@ -606,7 +625,7 @@ def phase_ref8b() -> None:
     save("ref8b")
     R["startup_dump_s"] = reference("r8b-dump", model, dump=True)
     ds = ROOT / "r8b.jsonl"
-    pretokenized(ds, [2048] * 96, 49152, seed=6)
+    pretokenized(ds, [2048] * n, 49152, seed=6)
     R["pipeline"] = pipeline(f"r8b-{int(time.time())}", model, ds, REF_PORT, 32, 8192, timeout=300)
     R["ratio_pipeline_vs_server"] = round(R["pipeline"]["tokens_per_s"] / R["server_alone"]["tokens_per_s"], 4)
     stop("r8b-dump")
@@ -759,7 +778,8 @@ ESTIMATE_S = {"smol": 200, "real": 180, "speed8b": 300, "ref8b": 150, "train8b":
 def phase_models() -> None:
     """Builds the random-weight models ahead (the 8B one is 16 GB), while the rest is still being sent."""
     R = RESULTS.setdefault("models", {})
-    for kind, name in (("smol", "smol"), ("8b", "l8b")):
+    wanted = os.environ.get("ISSUE9_MODELS", "smol,8b").split(",")
+    for kind, name in [(k, n) for k, n in (("smol", "smol"), ("8b", "l8b")) if k in wanted]:
         t = time.time()
         subprocess.run([sys.executable, "bench/gpu/mkmodel.py", kind, str(MODELS / name), f"{S}/tokenizer"], check=True)
         R[name] = round(time.time() - t, 1)
