@@ -86,3 +86,19 @@ def test_bad_prompts_are_refused_with_a_reason(reference_server):
     assert "vocabulary" in httpx.post(url, json={"input_ids": [10**9]}).text
     assert "exactly one" in httpx.post(url, json={}).text
     assert "context" in httpx.post(url, json={"input_ids": [1] * 3000, "sampling_params": {"max_new_tokens": 1}}).text
+
+
+def test_a_dump_that_cannot_be_written_fails_only_its_own_request(reference_server):
+    """Dumps are written while the next batch runs; one that fails (here a folder stands where its file goes)
+    answers its request with an error, the rest of its batch are answered with their dumps."""
+    blocked = "eaglet:t:blocked:1"
+    dump_path(reference_server.dump_dir, blocked).mkdir()
+    rids = [blocked] + [f"eaglet:t:beside{i}:1" for i in range(7)]
+    with ThreadPoolExecutor(len(rids)) as pool:
+        responses = dict(zip(rids, pool.map(lambda rid: prefill(reference_server.url, [11, 12, 13, 14], rid), rids),
+                             strict=True))  # fmt: skip
+    assert responses[blocked].status_code == 500
+    for rid in rids[1:]:
+        assert responses[rid].status_code == 200, responses[rid].text
+        assert read_dump(dump_path(reference_server.dump_dir, rid)).hidden_states.shape[0] == 4
+    assert prefill(reference_server.url, [1, 2], "eaglet:t:after:1").status_code == 200  # the server goes on
