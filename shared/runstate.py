@@ -163,6 +163,11 @@ class RunState:
         self.set_meta(stage=stage)
         self.publish(f"stage:{stage}")
 
+    def fail(self, reason: str) -> None:
+        """Ends the run as failed, with the reason ``/status`` shows."""
+        self.set_meta(error=reason)
+        self.set_stage(Stage.failed)
+
     def stage(self) -> Stage:
         return Stage(self.redis.hget(self.keys.meta, "stage") or Stage.ingesting)
 

@@ -20,10 +20,11 @@ from shared.keys import RunKeys
 from shared.runstate import RECENT_CAP, Stage
 
 ACTIVE = (Stage.ingesting, Stage.extracting)
+TRAINER_STAGES = (Stage.waiting_for_gpus, Stage.training, Stage.evaluating)  # a trainer process beats meanwhile
 RATE_SAMPLES = 256
 """Newest completions read for the rates: when all of them lie inside the window, the window shrinks to the
 time they span. Reading all RECENT_CAP entries costs ~5 ms of parsing per request for no better figure."""
-AlertKind = Literal["stalled", "workers_lost", "disk", "error_rate"]
+AlertKind = Literal["stalled", "workers_lost", "trainer_lost", "disk", "error_rate"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,6 +109,7 @@ class Training(BaseModel):
     state: str | None = Field(description="The trainer's own state: waiting, training, done, failed")
     error: str | None
     seconds_since_update: float | None
+    seconds_since_beat: float | None = Field(description="Age of the trainer process's heartbeat")
 
 
 class Alert(BaseModel):
@@ -434,6 +436,7 @@ def _training(train: dict, now: float) -> Training:
         state=train.get("state") or None,
         error=train.get("error") or None,
         seconds_since_update=now - updated if updated is not None else None,
+        seconds_since_beat=now - beat if (beat := _float(train, "beat_at")) is not None else None,
     )
 
 
@@ -467,6 +470,12 @@ def _alerts(
             alerts.append(Alert(kind="workers_lost", message=f"{len(lost)} worker(s) lost: {', '.join(lost[:8])}"))
         elif extracting and cluster.workers_live == 0:
             alerts.append(Alert(kind="workers_lost", message="no live worker: start extractor workers"))
+    tr = run.training
+    if run.stage in TRAINER_STAGES and (tr.seconds_since_beat is None or tr.seconds_since_beat > config.lost_after_s):
+        age = "no heartbeat" if tr.seconds_since_beat is None else f"heartbeat {tr.seconds_since_beat:.0f} s old"
+        resume = f" (it resumes from {tr.last_checkpoint})" if tr.last_checkpoint else ""
+        alerts.append(Alert(kind="trainer_lost", message=(
+            f"the trainer is {run.stage} but has {age}: it died or hangs; start it again{resume}")))  # fmt: skip
     st = run.storage
     if (
         st.projected_remaining_bytes is not None

@@ -18,7 +18,7 @@ from redis import Redis
 from services.extractor.exceptions import SampleRejected, Transient
 from shared.dumpfile import DumpInvalid, dump_path, read_dump, validate_dump
 from shared.ids import make_rid
-from shared.runstate import RunState
+from shared.runstate import RunState, Stage
 from shared.samples import Sample, SampleSet
 from shared.store import StoreError, sample_is_complete, sample_path, samples_dir, write_sample
 
@@ -49,8 +49,9 @@ class Extractor:
     def extract(self, run_id: str, index: int) -> str:
         """Runs one job to an outcome in Redis; returns what happened, for the job's log."""
         state = RunState(self.redis, run_id)
-        if state.is_cancelled():
-            return "cancelled"
+        stage = state.stage()
+        if stage in (Stage.cancelled, Stage.failed):
+            return f"run {stage}"  # a failed run's ingest stopped: its samples are not wanted
         if state.is_done(index):
             return "already done"
         sample = self.sample_set(run_id)[index]

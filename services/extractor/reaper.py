@@ -34,9 +34,9 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.utils import parse_composite_key
 
 from shared import keys
-from shared.jobqueue import enqueue_samples, job_id, run_queue
-from shared.keys import RunKeys, queue_name
-from shared.runstate import RunState
+from shared.jobqueue import INGEST_JOB, cancel, enqueue_samples, job_id, run_queue
+from shared.keys import CONTROL_QUEUE, RunKeys, queue_name
+from shared.runstate import RunState, Stage
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class Reaper:
         outcome = {"requeued": 0, "failed": 0}
         beats = {name: json.loads(raw) for name, raw in self.redis.hgetall(keys.WORKERS).items()}
         now = time.time()
+        outcome["ingests_failed"] = self._fail_dead_ingests(beats, now)
         for run_id in run_ids:
             registry = StartedJobRegistry(queue_name(run_id), connection=self.rq_redis)
             for entry in self.rq_redis.zrange(registry.key, 0, -1):
@@ -83,6 +84,32 @@ class Reaper:
             for what in self._requeue_lost(run_id, registry):
                 outcome[what] += 1
         return outcome
+
+    def _fail_dead_ingests(self, beats: dict, now: float) -> int:
+        """Ingest jobs whose worker died: their run can never get its whole dataset, so it ends failed, saying
+        why (ingest appends to the run's samples as it reads, so it is not taken up again where it stopped)."""
+        registry = StartedJobRegistry(CONTROL_QUEUE, connection=self.rq_redis)
+        failed = 0
+        for entry in self.rq_redis.zrange(registry.key, 0, -1):
+            jid, _ = parse_composite_key(entry.decode())
+            try:
+                job = Job.fetch(jid, connection=self.rq_redis)
+            except NoSuchJobError:
+                continue
+            owner = owner_of(job.worker_name or "")
+            if job.func_name != INGEST_JOB or owner is None or self._alive(owner, beats, now):
+                continue
+            if not self.rq_redis.zrem(registry.key, entry):
+                continue  # another worker's sweep got it first
+            run_id, dataset = job.args[0], job.args[1]
+            state = RunState(self.redis, run_id)
+            if state.meta().get("total") is None and state.stage() not in (Stage.failed, Stage.cancelled):
+                state.fail(f"ingest of {dataset} died with worker {owner[0]}; start the run again under a new id")
+                cancel(self.rq_redis, run_id)
+                log.warning("run %s: ingest died with worker %s: run failed", run_id, owner[0])
+                failed += 1
+            job.delete()
+        return failed
 
     def _requeue_lost(self, run_id: str, registry: StartedJobRegistry) -> list[str]:
         k = RunKeys(run_id)

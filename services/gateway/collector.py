@@ -9,7 +9,7 @@ from redis import Redis
 from shared.runstate import Stage
 from shared.status import AlertKind, StatusConfig, StatusReport, read_status
 
-ALERT_KINDS: tuple[AlertKind, ...] = ("stalled", "workers_lost", "disk", "error_rate")
+ALERT_KINDS: tuple[AlertKind, ...] = ("stalled", "workers_lost", "trainer_lost", "disk", "error_rate")
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from services.ingest.ingest import IngestOptions, IngestResult, ingest_dataset
 from shared.config import Settings
 from shared.ids import check_id
-from shared.jobqueue import enqueue_samples
+from shared.jobqueue import cancel, enqueue_samples
 from shared.runstate import RunState, Stage
 from shared.samples import SampleWriter
 from shared.store import samples_dir
@@ -53,6 +53,31 @@ def start_run(redis: Redis, settings: Settings, run_id: str, dataset: Path, opti
         options=json.dumps(asdict(options)),
     )
     log.info("run %s: ingesting %s for %s", run_id, dataset, model_dir)
+    try:
+        return _ingest(redis, settings, state, dataset, model_dir, config["vocab_size"], options)
+    except Exception as e:
+        # The run can't complete without its whole dataset: it ends failed with the reason, in /status.
+        fail_ingest(state, f"ingest of {dataset} stopped: {type(e).__name__}: {e}")
+        raise
+
+
+def fail_ingest(state: RunState, reason: str) -> None:
+    """Ends a run whose ingest stopped: failed, with the reason; the samples queued so far are dropped."""
+    log.error("run %s: %s", state.run_id, reason)
+    state.fail(reason)
+    cancel(state.redis, state.run_id)
+
+
+def _ingest(
+    redis: Redis,
+    settings: Settings,
+    state: RunState,
+    dataset: Path,
+    model_dir: Path,
+    vocab_size: int,
+    options: IngestOptions,
+) -> IngestResult:
+    run_id = state.run_id
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     writer = SampleWriter(samples_dir(settings.data_dir, run_id))
     pending: list[int] = []
@@ -75,7 +100,7 @@ def start_run(redis: Redis, settings: Settings, run_id: str, dataset: Path, opti
         tokenizer,
         writer,
         options,
-        vocab_size=config["vocab_size"],
+        vocab_size=vocab_size,
         on_error=lambda sample_id, message: state.record_error(-1, sample_id, message, "ingest", final=True),
         on_sample=on_sample,
     )
@@ -83,8 +108,7 @@ def start_run(redis: Redis, settings: Settings, run_id: str, dataset: Path, opti
     writer.close({"dataset": str(dataset), "model_dir": str(model_dir), "bad_lines": result.bad_lines})
     state.set_meta(bad_lines=result.bad_lines, truncated=result.truncated, loss_tokens=result.loss_tokens)
     if result.samples == 0:
-        state.set_meta(error=f"no valid sample in {dataset.name} ({result.bad_lines} bad lines)")
-        state.set_stage(Stage.failed)
+        state.fail(f"no valid sample in {dataset.name} ({result.bad_lines} bad lines)")
     state.set_total(result.samples, result.tokens)
     log.info("run %s: %d samples, %d tokens, %d bad lines", run_id, result.samples, result.tokens, result.bad_lines)
     return result

@@ -10,10 +10,14 @@ It never trains on a partial run unless ``--allow-partial`` is given. GPU releas
 
 import argparse
 import logging
+import os
+import socket
+import threading
 import time
 from pathlib import Path
 
 from redis import Redis
+from redis.exceptions import RedisError
 
 from services.trainer.train import Dist, TrainConfig, init_distributed, train
 from shared.config import Settings
@@ -102,6 +106,18 @@ def describe_wait(redis: Redis, run_id: str, flag: str) -> str:
     )
 
 
+def heartbeat(redis: Redis, run_id: str, interval_s: float, stop: threading.Event) -> None:
+    """Beats in the run's train hash (``beat_at``) until stopped: a trainer that dies or hangs mid-run shows in
+    ``/status`` as the ``trainer_lost`` alert, not as a run training forever."""
+    key = RunKeys(run_id).train
+    while not stop.is_set():
+        try:
+            redis.hset(key, mapping={"beat_at": time.time(), "host": socket.gethostname(), "pid": os.getpid()})
+        except RedisError:
+            log.warning("run %s: trainer heartbeat failed (Redis unreachable)", run_id)
+        stop.wait(interval_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = train_config(args)  # bad values fail here, before any waiting
@@ -112,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings()
     redis = Redis.from_url(settings.redis_url, decode_responses=True)
     state = RunState(redis, args.run)
+    stop_beat = threading.Event()
+    if env.main:
+        beat = threading.Thread(target=heartbeat, args=(redis, args.run, settings.heartbeat_interval_s, stop_beat),
+                                daemon=True, name="heartbeat")  # fmt: skip
+        beat.start()
     try:
         wait_for_start(
             redis, args.run, allow_partial=args.allow_partial, wait_for_gpus=args.wait_for_gpus,
@@ -147,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             redis.hset(RunKeys(args.run).train, mapping={"state": "failed", "error": f"{type(e).__name__}: {e}"})
             state.set_stage(Stage.failed)
         return 1
+    finally:
+        stop_beat.set()
 
 
 if __name__ == "__main__":

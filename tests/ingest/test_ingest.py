@@ -106,3 +106,17 @@ def test_overlong_samples_are_rejected_or_truncated(redis, tmp_path, tiny_model_
     else:
         assert "exceeds max_tokens=64" in result.errors[0]
         assert RunState(redis, f"run-{overlong}").stage() == Stage.failed
+
+
+def test_an_ingest_that_stops_ends_its_run_failed_with_the_reason(redis, dataset, tmp_path, tiny_model_dir):
+    """A real fault of the data volume: a file stands where the run's samples folder goes."""
+    settings = Settings(model=str(tiny_model_dir), data_dir=tmp_path / "data")
+    blocker = samples_dir(settings.data_dir, "run1")
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a folder")
+    with pytest.raises(OSError):
+        start_run(redis, settings, "run1", dataset, IngestOptions())
+    meta = RunState(redis, "run1").meta()
+    assert meta["stage"] == Stage.failed and "total" not in meta
+    assert meta["error"].startswith(f"ingest of {dataset} stopped: ") and "samples" in meta["error"], meta["error"]
+    assert run_queue(redis, "run1").count == 0

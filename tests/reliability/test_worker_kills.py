@@ -15,9 +15,9 @@ from services.inference.engine import ReferenceEngine
 from services.ingest.ingest import IngestOptions
 from services.ingest.jobs import start_run
 from shared import keys
-from shared.jobqueue import run_queue
+from shared.jobqueue import enqueue_ingest, run_queue
 from shared.keys import CONTROL_QUEUE
-from shared.runstate import RunState
+from shared.runstate import RunState, Stage
 from tests.reliability.faulty_server import FaultyServer
 from tests.reliability.helpers import check_outcome, env_of, free_port, wait_for, write_dataset
 
@@ -138,3 +138,32 @@ def test_a_job_taken_by_a_worker_that_died_before_starting_it_is_found(redis, se
     lost = [json.loads(e) for e in redis.lrange(state.keys.errors, 0, -1) if "job was lost" in e]
     assert [e["index"] for e in lost] == [taken]
     assert events.count(run_id, "extraction_complete") == 1
+
+
+def test_an_ingest_whose_worker_dies_ends_its_run_failed_with_the_reason(redis, settings, tmp_path, events):
+    """POST /runs queues the ingest on the control queue; its worker is SIGKILLed while it reads. Ingest is not
+    taken up again where it stopped, so another worker's sweep ends the run failed, saying why, and drops what
+    was queued: the run never waits for samples that will not come."""
+    conversation = {"messages": [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": ""}]}
+    with open(tmp_path / "big.jsonl", "w") as f:
+        for i in range(60_000):  # chat-templated lines: long enough to be caught half way
+            conversation["messages"][1]["content"] = f"Answer number {i}."
+            f.write(json.dumps(conversation) + "\n")
+    rq_redis = Redis.from_url(settings.redis_url)
+    with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
+        stack.start("w0", "services.extractor.worker", "--name", "w0")
+        wait_for("w0's heartbeat", lambda: redis.hexists(keys.WORKERS, "w0"), 60)
+        enqueue_ingest(rq_redis, "half", str(tmp_path / "big.jsonl"), {})
+        state = RunState(redis, "half")
+        wait_for("samples queued while ingest reads", lambda: state.exists() and state.stage() == Stage.extracting, 120)
+        stack.procs["w0"].send_signal(signal.SIGKILL)
+        stack.procs["w0"].wait(10)
+        assert "total" not in state.meta(), "ingest ended before the kill: the test proved nothing"
+        stack.start("w1", "services.extractor.worker", "--name", "w1")
+        wait_for("the run to end failed", lambda: state.stage() == Stage.failed, 120)
+    meta = state.meta()
+    assert (
+        meta["error"] == f"ingest of {tmp_path / 'big.jsonl'} died with worker w0; start the run again under a new id"
+    )
+    assert run_queue(rq_redis, "half").count == 0
+    assert events.count("half", "extraction_complete") == 0

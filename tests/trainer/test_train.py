@@ -15,6 +15,7 @@ from services.trainer.checkpoint import list_states
 from services.trainer.train import Dist, TrainConfig, train
 from shared.keys import RunKeys
 from shared.runstate import RunState, Stage
+from shared.status import StatusConfig, read_run
 from shared.store import checkpoints_dir, drafter_dir
 from tests.trainer.fixtures import make_run
 
@@ -95,7 +96,8 @@ def test_resume_after_kill_continues_the_same_curve(redis, tmp_path, tiny_model_
     train(redis=redis, run_id="ref", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(**cfg), env=Dist())
     reference = curve(tmp_path, "ref")
 
-    env = {**os.environ, "EAGLET_REDIS_URL": _url(redis), "EAGLET_DATA_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "EAGLET_REDIS_URL": _url(redis), "EAGLET_DATA_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "EAGLET_HEARTBEAT_INTERVAL_S": "0.2"}  # fmt: skip
     args = ["--run", "kill", "--model", str(tiny_model_dir), "--workers", "0", "--draft-vocab-size", "512",
             "--max-tokens", "100", "--ttt-steps", "3", "--lr", "3e-3", "--warmup-ratio", "0.1",
             "--heldout-fraction", "0.1", "--epochs", "40", "--checkpoint-every", "7"]  # fmt: skip
@@ -105,8 +107,16 @@ def test_resume_after_kill_continues_the_same_curve(redis, tmp_path, tiny_model_
     deadline = time.time() + 120
     while time.time() < deadline and not list_states(folder) and proc.poll() is None:
         time.sleep(0.02)
+    status = StatusConfig(lost_after_s=2.0)
+    alive = read_run(redis, "kill", config=status).run
+    assert alive.stage == Stage.training and "trainer_lost" not in [a.kind for a in alive.alerts]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    time.sleep(2.5)  # the heartbeat ages past lost_after_s
+    lost = read_run(redis, "kill", config=status).run
+    assert lost.stage == Stage.training  # nothing else can tell the trainer died...
+    [alert] = [a for a in lost.alerts if a.kind == "trainer_lost"]  # ...but its heartbeat's age does
+    assert "start it again (it resumes from" in alert.message, alert.message
     states = list_states(folder)
     assert states, "no checkpoint before the kill"
     resumed_from = int(states[-1].stem.split("_")[1])
