@@ -59,8 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = GatewaySettings(**{k: v for k, v in vars(args).items() if v is not None})
-    log.info("gateway: listening on %s:%d", settings.host, settings.port)  # the Redis URL may hold a password
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    log.info("gateway: listening on %s:%d, %d process(es)", settings.host, settings.port, settings.gateway_workers)
+    if settings.gateway_workers > 1:  # each process builds its app from the environment, as ``app`` above
+        uvicorn.run("services.gateway.main:app", host=settings.host, port=settings.port, log_level="info",
+                    workers=settings.gateway_workers)  # fmt: skip
+    else:
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
     return 0
 
 

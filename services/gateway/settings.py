@@ -16,6 +16,9 @@ class GatewaySettings(Settings):
 
     port: int = Field(8000, ge=1, le=65535)
 
+    gateway_workers: int = Field(1, ge=1)
+    """Gateway processes behind the one port: the gateway keeps no state, so they answer alike."""
+
     dataset_roots: Annotated[list[Path], NoDecode] = [Path("var/datasets")]
     """``POST /runs`` accepts only datasets under one of these folders (comma-separated in the environment)."""
 

@@ -1,5 +1,5 @@
 """Many clients at once on loopback: 32 concurrent clients read /status 3,000 times from the gateway run as
-its own process, while a run progresses and workers beat. Every answer is a valid report and no client ever
+its own processes, while a run progresses and workers beat. Every answer is a valid report and no client ever
 sees the run go backwards. Latencies are logged, not asserted: speed is measured in
 ``bench/status_latency.py``, which offers a fixed request rate."""
 
@@ -28,10 +28,10 @@ CLIENTS, REQUESTS = 32, 3000
 
 @pytest.fixture
 def gateway_process(redis_server, tmp_path):
-    """``python -m services.gateway.main``, the entry point a deployment runs."""
+    """``python -m services.gateway.main`` with two processes behind its port, as the compose stack runs it."""
     port = free_port()
     env = {**os.environ, "EAGLET_REDIS_URL": redis_server.url, "EAGLET_PORT": str(port), "EAGLET_API_TOKEN": "",
-           "EAGLET_DATA_DIR": str(tmp_path)}  # fmt: skip
+           "EAGLET_DATA_DIR": str(tmp_path), "EAGLET_GATEWAY_WORKERS": "2"}  # fmt: skip
     log_file = open(tmp_path / "gateway.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "services.gateway.main"], cwd=ROOT, env=env, stdout=log_file,
                             stderr=subprocess.STDOUT)  # fmt: skip
