@@ -63,7 +63,9 @@ def test_trainer_waits_for_the_flag(redis, tmp_path, tiny_model_dir, monkeypatch
     thread.start()
     time.sleep(1.0)
     assert thread.is_alive(), "the trainer must wait for extraction_complete"
-    assert not redis.exists(RunKeys("r2").train) and RunState(redis, "r2").stage() == Stage.extracting
+    waiting = redis.hgetall(RunKeys("r2").train)
+    assert set(waiting) == {"beat_at", "host", "pid"}, waiting  # alive, beating, nothing trained
+    assert RunState(redis, "r2").stage() == Stage.extracting
     assert not checkpoints_dir(tmp_path, "r2").exists()
     RunState(redis, "r2").mark_done(11, 40, 0)  # the last sample: sets extraction_complete
     thread.join(120)
