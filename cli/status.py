@@ -86,12 +86,15 @@ def render_run(run: RunStatus) -> Panel:
 
 
 def render_cluster(cluster: Cluster) -> Table:
-    table = Table("worker", "state", "run", "sample", "heartbeat", title="workers", title_justify="left")
+    table = Table("worker", "state", "run", "sample", "heartbeat", "s a sample: server / check / store",
+                  title="workers", title_justify="left")  # fmt: skip
     for w in cluster.workers:
         state = Text(f"lost ({w.state})", style="bold red") if w.lost else w.state
-        table.add_row(w.name, state, w.run, w.sample, f"{w.seconds_since_heartbeat:.1f} s ago")
+        st = w.stage_seconds
+        stages = f"{st['prefill']:.2f} / {st['check']:.2f} / {st['store']:.2f}" if "store" in st else ""
+        table.add_row(w.name, state, w.run, w.sample, f"{w.seconds_since_heartbeat:.1f} s ago", stages)
     for s in cluster.inference:
-        table.add_row(s.url, "healthy" if s.healthy else Text("down", style="red"), "", "", s.detail)
+        table.add_row(s.url, "healthy" if s.healthy else Text("down", style="red"), "", "", s.detail, "")
     return table
 
 

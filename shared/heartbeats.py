@@ -35,8 +35,10 @@ def beat(
     disk_free: int | None = None,
     disk_total: int | None = None,
     instance: str = "",
+    stage_seconds: dict[str, float] | None = None,
 ) -> None:
-    """Records one worker's state now. ``detail`` says why it is in backoff; disk figures are of the data volume.
+    """Records one worker's state now. ``detail`` says why it is in backoff; disk figures are of the data volume;
+    ``stage_seconds`` is where its recent samples' time went (see services/extractor/extract.py).
 
     ``instance`` is unique per process: a worker restarted under the same name is a new instance, so the jobs
     the old one had started are known to be abandoned (see services/extractor/reaper.py)."""
@@ -52,6 +54,7 @@ def beat(
         "detail": detail,
         "disk_free": disk_free,
         "disk_total": disk_total,
+        "stage_seconds": stage_seconds or {},
         "ts": time.time(),
     }
     redis.hset(keys.WORKERS, worker, json.dumps(record))

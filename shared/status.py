@@ -142,6 +142,10 @@ class WorkerStatus(BaseModel):
     detail: str
     seconds_since_heartbeat: float
     lost: bool
+    stage_seconds: dict[str, float] = Field(
+        description="Mean seconds of each stage of its recent samples: prefill (waiting on the inference server), "
+        "dump_wait, check, store. A worker mostly in prefill is waiting on the server; in store, on the disk"
+    )
 
 
 class InferenceStatus(BaseModel):
@@ -306,6 +310,7 @@ def _worker(name: str, beat: dict, age: float, lost: bool) -> WorkerStatus:
         detail=beat.get("detail") or "",
         seconds_since_heartbeat=age,
         lost=lost,
+        stage_seconds={str(k): float(v) for k, v in (beat.get("stage_seconds") or {}).items()},
     )
 
 

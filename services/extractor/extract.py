@@ -43,6 +43,7 @@ class Extractor:
     backoff_s: tuple[float, ...] = (1, 2, 5, 10, 30, 60)
     max_transient_s: float = 3600.0
     on_state: Callable[[str, str, str, str], None] | None = None  # (state, run, sample, detail) for the heartbeat
+    on_timings: Callable[[dict[str, float]], None] | None = None  # seconds per stage of each stored sample
     _samples: dict[str, SampleSet] = field(default_factory=dict)
     _meta: dict[str, dict] = field(default_factory=dict)
 
@@ -90,6 +91,8 @@ class Extractor:
                 log.warning("%s: sample %s attempt %d rejected: %s", self.worker, sample.sample_id, attempt, e)
                 continue
             state.mark_done(sample.index, len(sample.input_ids), nbytes)
+            if self.on_timings is not None:
+                self.on_timings(timings)
             return "done (" + ", ".join(f"{stage} {seconds:.3f}s" for stage, seconds in timings.items()) + ")"
 
     def _attempt(self, state: RunState, sample: Sample, path: Path, attempt: int, timings: dict[str, float]) -> int:

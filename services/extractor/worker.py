@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import torch
@@ -39,6 +39,7 @@ ACTIVE = {Stage.ingesting, Stage.extracting}
 IDLE_POLL_S = 1.0
 LOST_HEARTBEATS = 3  # a worker is dead after this many heartbeat intervals without one (as the gateway judges)
 REDIS_BACKOFF_S = (1, 2, 5)
+STAGE_EMA = 0.1  # weight of the newest sample in the stage averages: about the last 20 samples count
 
 
 @dataclass
@@ -47,9 +48,16 @@ class Status:
     run: str = ""
     sample: str = ""
     detail: str = ""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds of each stage of a stored sample, averaged over the recent ones: where this worker's time goes."""
 
     def set(self, state: str, run: str, sample: str, detail: str) -> None:
         self.state, self.run, self.sample, self.detail = state, run, sample, detail
+
+    def add_timings(self, timings: dict[str, float]) -> None:
+        old = self.stage_seconds
+        # A new dict each time, swapped in whole: the heartbeat thread reads it without a lock.
+        self.stage_seconds = {k: v if k not in old else old[k] + STAGE_EMA * (v - old[k]) for k, v in timings.items()}
 
 
 def active_runs(redis: Redis) -> list[str]:
@@ -114,6 +122,7 @@ def heartbeat_loop(
                 disk_free=usage.free,
                 disk_total=usage.total,
                 instance=instance,
+                stage_seconds=status.stage_seconds,
             )
             heartbeats.report_inference(redis, settings.inference_url, **_probe(http))
             if reaper is not None and time.monotonic() - redis_ok_since > reaper.lost_after_s:
@@ -163,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         max_attempts=settings.max_attempts,
         store_dtype=settings.store_dtype,
         on_state=status.set,
+        on_timings=status.add_timings,
     )
     jobs.configure(extractor)
     reaper = make_reaper(extractor, rq_redis, settings)

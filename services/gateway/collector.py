@@ -85,9 +85,13 @@ def _cluster_metrics(report: StatusReport) -> Iterator[Metric]:
     c = report.cluster
     beat = _gauge("worker_heartbeat_age_seconds", "Seconds since the worker's heartbeat", ["worker", "state"])
     lost = _gauge("worker_lost", "1 if the worker's heartbeat is too old", ["worker"])
+    stages = _gauge("worker_stage_seconds", "Mean seconds of each stage of the worker's recent samples",
+                    ["worker", "stage"])  # fmt: skip
     for w in c.workers:
         beat.add_metric([w.name, w.state], w.seconds_since_heartbeat)
         lost.add_metric([w.name], float(w.lost))
+        for stage, seconds in w.stage_seconds.items():
+            stages.add_metric([w.name, stage], seconds)
     up = _gauge("inference_up", "1 if the inference server answered lately", ["url"])
     for s in c.inference:
         up.add_metric([s.url], float(s.healthy))
@@ -96,7 +100,7 @@ def _cluster_metrics(report: StatusReport) -> Iterator[Metric]:
     workers.add_metric(["lost"], c.workers_lost)
     runs = _gauge("runs", "Runs registered", [])
     runs.add_metric([], report.runs_total)
-    yield from (beat, lost, up, workers, runs)
+    yield from (beat, lost, stages, up, workers, runs)
     if c.disk_free is not None:
         yield GaugeMetricFamily("eaglet_disk_free_bytes", "Free bytes on the data volume", value=c.disk_free)
     if c.disk_total is not None:

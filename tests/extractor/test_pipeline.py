@@ -17,6 +17,7 @@ from shared.config import Settings
 from shared.jobqueue import run_queue
 from shared.runstate import RunState
 from shared.samples import SampleSet
+from shared.status import StatusConfig, read_status
 from shared.store import open_sample, sample_is_complete, sample_path, samples_dir
 
 
@@ -66,6 +67,15 @@ def test_two_workers_extract_every_sample_exactly_once(redis, settings, tmp_path
             assert time.monotonic() < deadline, f"not complete: {state.counts()}"
             time.sleep(0.2)
         workers_seen = {json.loads(v)["worker"] for v in redis.hvals(keys.WORKERS)}
+        # Where each worker's time went, as /status shows it: every stage of a stored sample, prefill the longest.
+        deadline = time.monotonic() + 30
+        while not all((report := read_status(redis, config=StatusConfig())).cluster.workers[i].stage_seconds
+                      for i in range(2)):  # fmt: skip
+            assert time.monotonic() < deadline, "no stage times in the heartbeats"
+            time.sleep(0.2)
+    for worker in report.cluster.workers:
+        assert set(worker.stage_seconds) == {"prefill", "dump_wait", "check", "store"}, worker.stage_seconds
+        assert worker.stage_seconds["prefill"] > 0 and min(worker.stage_seconds.values()) >= 0
     counts = state.counts()
     assert (counts["done"], counts["failed"]) == (n, 0), counts
     samples = SampleSet(samples_dir(settings.data_dir, "e2e"))
