@@ -35,12 +35,23 @@ class Sample:
 class SampleWriter:
     """Appends samples as they are ingested; ``flush`` makes them visible, ``close`` writes the manifest."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, *, keep: tuple[int, int] | None = None):
+        """``keep=(samples, tokens)`` reopens a writer that died: what it flushed up to there stays, anything
+        appended after (never queued) is cut off, and appending goes on from there."""
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._files = [open(self.folder / name, "wb") for name in ("input_ids.bin", "loss_mask.bin", "index.bin")]
-        self.samples = 0
-        self.tokens = 0
+        self.samples, self.tokens = keep or (0, 0)
+        names = ("input_ids.bin", "loss_mask.bin", "index.bin")
+        if keep is None:
+            self._files = [open(self.folder / name, "wb") for name in names]
+            return
+        self._files = [open(self.folder / name, "r+b") for name in names]
+        for f, size in zip(self._files, (4 * self.tokens, self.tokens, INDEX_DTYPE.itemsize * self.samples),
+                           strict=True):  # fmt: skip
+            if os.fstat(f.fileno()).st_size < size:
+                raise ValueError(f"{f.name}: shorter than the {size} bytes its last flush recorded")
+            f.truncate(size)
+            f.seek(size)
 
     def append(self, sample_id: str, input_ids: list[int], loss_mask: list[int]) -> int:
         check_id(sample_id, "sample id")

@@ -34,7 +34,7 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.utils import parse_composite_key
 
 from shared import keys
-from shared.jobqueue import INGEST_JOB, cancel, enqueue_samples, job_id, run_queue
+from shared.jobqueue import INGEST_JOB, cancel, enqueue_ingest, enqueue_samples, job_id, run_queue
 from shared.keys import CONTROL_QUEUE, RunKeys, queue_name
 from shared.runstate import RunState, Stage
 
@@ -72,7 +72,7 @@ class Reaper:
         outcome = {"requeued": 0, "failed": 0}
         beats = {name: json.loads(raw) for name, raw in self.redis.hgetall(keys.WORKERS).items()}
         now = time.time()
-        outcome["ingests_failed"] = self._fail_dead_ingests(beats, now)
+        outcome["ingests_resumed"] = self._resume_dead_ingests(beats, now)
         for run_id in run_ids:
             registry = StartedJobRegistry(queue_name(run_id), connection=self.rq_redis)
             for entry in self.rq_redis.zrange(registry.key, 0, -1):
@@ -85,11 +85,11 @@ class Reaper:
                 outcome[what] += 1
         return outcome
 
-    def _fail_dead_ingests(self, beats: dict, now: float) -> int:
-        """Ingest jobs whose worker died: their run can never get its whole dataset, so it ends failed, saying
-        why (ingest appends to the run's samples as it reads, so it is not taken up again where it stopped)."""
+    def _resume_dead_ingests(self, beats: dict, now: float) -> int:
+        """Ingest jobs whose worker died: queued again, and the ingest is taken up from its last flush
+        (services/ingest/jobs.py ``resume_run``). After ``max_lost`` deaths the run ends failed, saying why."""
         registry = StartedJobRegistry(CONTROL_QUEUE, connection=self.rq_redis)
-        failed = 0
+        found = 0
         for entry in self.rq_redis.zrange(registry.key, 0, -1):
             jid, _ = parse_composite_key(entry.decode())
             try:
@@ -101,15 +101,23 @@ class Reaper:
                 continue
             if not self.rq_redis.zrem(registry.key, entry):
                 continue  # another worker's sweep got it first
-            run_id, dataset = job.args[0], job.args[1]
-            state = RunState(self.redis, run_id)
-            if state.meta().get("total") is None and state.stage() not in (Stage.failed, Stage.cancelled):
-                state.fail(f"ingest of {dataset} died with worker {owner[0]}; start the run again under a new id")
-                cancel(self.rq_redis, run_id)
-                log.warning("run %s: ingest died with worker %s: run failed", run_id, owner[0])
-                failed += 1
+            found += 1
+            run_id, dataset, options = job.args
             job.delete()
-        return failed
+            state = RunState(self.redis, run_id)
+            if state.meta().get("total") is not None or state.stage() in (Stage.failed, Stage.cancelled):
+                continue  # it had finished, or the run is over
+            why = f"ingest of {dataset} died with worker {owner[0]}"
+            deaths = self.redis.hincrby(state.keys.meta, "ingest_deaths", 1)
+            if deaths >= self.max_lost:
+                state.fail(f"{why}, {deaths} times: given up; start the run again under a new id")
+                cancel(self.rq_redis, run_id)
+                log.warning("run %s: %s, %d times: run failed", run_id, why, deaths)
+                continue
+            state.record_error(-1, "", f"{why}; taken up again from its last flush", "reaper")
+            enqueue_ingest(self.rq_redis, run_id, dataset, options)
+            log.warning("run %s: %s; queued again", run_id, why)
+        return found
 
     def _requeue_lost(self, run_id: str, registry: StartedJobRegistry) -> list[str]:
         k = RunKeys(run_id)

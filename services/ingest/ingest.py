@@ -2,11 +2,13 @@
 
 A bad line is reported (file, line number, reason) and skipped; the rest goes on. Samples are handed
 to ``on_sample`` as they are stored, so extraction can start before the file has been read to the end.
+The result doubles as the cursor: where in the file reading stopped and what it counted, so an ingest
+whose process died is taken up from its last flush (``resume``).
 """
 
 import logging
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Literal
 
@@ -42,7 +44,19 @@ class IngestResult:
     loss_tokens: int = 0
     truncated: int = 0
     bad_lines: int = 0
+    lines: int = 0
+    """Lines read so far, blank ones included: the line number of the last one."""
+    offset: int = 0
+    """Byte offset of the next unread line."""
     errors: list[str] = field(default_factory=list)  # the first few, for the console
+
+    def cursor(self) -> dict:
+        """What a resumed ingest starts from (``resume``): everything but the console's errors."""
+        return {k: v for k, v in asdict(self).items() if k != "errors"}
+
+    @classmethod
+    def resume(cls, cursor: dict) -> "IngestResult":
+        return cls(**cursor)
 
 
 def ingest_dataset(
@@ -54,12 +68,19 @@ def ingest_dataset(
     vocab_size: int,
     on_error: Callable[[str, str], None],
     on_sample: Callable[[int], None],
+    result: IngestResult | None = None,
+    earlier_ids: Iterable[str] = (),
 ) -> IngestResult:
-    """Reads ``path`` line by line; ``on_error(sample_id, message)``, ``on_sample(index)`` as they happen."""
-    result = IngestResult()
-    first_line_of: dict[str, int] = {}
+    """Reads ``path`` line by line; ``on_error(sample_id, message)``, ``on_sample(index)`` as they happen.
+
+    ``result``: the cursor of an ingest taken up again (it is updated in place); ``earlier_ids``: the ids
+    that ingest already stored, so duplicates of them are still caught."""
+    result = result or IngestResult()
+    first_line_of: dict[str, int | None] = dict.fromkeys(earlier_ids)
     with open(path, "rb") as f:
-        for line_no, (raw, size) in enumerate(_lines(f, records.MAX_LINE_BYTES), start=1):
+        f.seek(result.offset)
+        for line_no, (raw, size) in enumerate(_lines(f, records.MAX_LINE_BYTES), start=result.lines + 1):
+            result.lines, result.offset = line_no, f.tell()
             if size <= records.MAX_LINE_BYTES and not raw.strip():
                 continue
             if options.limit is not None and result.samples >= options.limit:
@@ -71,7 +92,8 @@ def ingest_dataset(
                 record = parse_line(raw)
                 sample_id = record.sample_id
                 if sample_id in first_line_of:
-                    raise BadLine(f"duplicate id {sample_id!r} (first at line {first_line_of[sample_id]})")
+                    first = first_line_of[sample_id]
+                    raise BadLine(f"duplicate id {sample_id!r} (first at line {first or 'before the resume'})")
                 ids, mask = _tokens(record, tokenizer)
                 if max(ids) >= vocab_size:
                     raise BadLine(f"token id {max(ids)} outside the model's vocabulary of {vocab_size}")

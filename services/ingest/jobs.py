@@ -17,7 +17,7 @@ from shared.config import Settings
 from shared.ids import check_id
 from shared.jobqueue import cancel, enqueue_samples
 from shared.runstate import RunState, Stage
-from shared.samples import SampleWriter
+from shared.samples import SampleSet, SampleWriter
 from shared.store import samples_dir
 from shared.target import eagle3_layer_ids, model_config, resolve_model_dir
 
@@ -53,11 +53,27 @@ def start_run(redis: Redis, settings: Settings, run_id: str, dataset: Path, opti
         options=json.dumps(asdict(options)),
     )
     log.info("run %s: ingesting %s for %s", run_id, dataset, model_dir)
+    return _ingest_or_fail(redis, settings, state, None)
+
+
+def resume_run(redis: Redis, settings: Settings, run_id: str) -> IngestResult:
+    """Takes up the ingest of a run whose ingest died, from its last flush (the cursor in the run's meta)."""
+    state = RunState(redis, run_id)
+    meta = state.meta()
+    if not meta or "total" in meta or state.stage() not in (Stage.ingesting, Stage.extracting):
+        raise RunExists(f"run {run_id!r} has no ingest to take up (stage {meta.get('stage')})")
+    cursor = IngestResult.resume(json.loads(meta["ingest_cursor"])) if meta.get("ingest_cursor") else None
+    log.info("run %s: ingest taken up again at line %d", run_id, cursor.lines if cursor else 0)
+    return _ingest_or_fail(redis, settings, state, cursor)
+
+
+def _ingest_or_fail(redis: Redis, settings: Settings, state: RunState, cursor: IngestResult | None) -> IngestResult:
+    meta = state.meta()
     try:
-        return _ingest(redis, settings, state, dataset, model_dir, config["vocab_size"], options)
+        return _ingest(redis, settings, state, meta, cursor)
     except Exception as e:
         # The run can't complete without its whole dataset: it ends failed with the reason, in /status.
-        fail_ingest(state, f"ingest of {dataset} stopped: {type(e).__name__}: {e}")
+        fail_ingest(state, f"ingest of {meta['dataset']} stopped: {type(e).__name__}: {e}")
         raise
 
 
@@ -68,23 +84,22 @@ def fail_ingest(state: RunState, reason: str) -> None:
     cancel(state.redis, state.run_id)
 
 
-def _ingest(
-    redis: Redis,
-    settings: Settings,
-    state: RunState,
-    dataset: Path,
-    model_dir: Path,
-    vocab_size: int,
-    options: IngestOptions,
-) -> IngestResult:
-    run_id = state.run_id
+def _ingest(redis: Redis, settings: Settings, state: RunState, meta: dict, cursor: IngestResult | None) -> IngestResult:
+    run_id, dataset, model_dir = state.run_id, Path(meta["dataset"]), Path(meta["model_dir"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    writer = SampleWriter(samples_dir(settings.data_dir, run_id))
+    folder = samples_dir(settings.data_dir, run_id)
+    # Read before the writer cuts the files back to the cursor (a map past a file's end faults when read).
+    earlier_ids = [s.decode() for s in SampleSet(folder).index[: cursor.samples]["id"]] if cursor else []
+    writer = SampleWriter(folder, keep=(cursor.samples, cursor.tokens) if cursor else None)
     pending: list[int] = []
+    result = cursor or IngestResult()
 
     def flush() -> None:
+        # The cursor is recorded before the samples are queued: a resume never cuts off a queued sample. One
+        # recorded but never queued (died in between) is queued again by the workers' sweep for lost samples.
+        writer.flush()
+        state.set_meta(ingest_cursor=json.dumps(result.cursor()))
         if pending:
-            writer.flush()
             if state.stage() == Stage.ingesting:
                 state.start_extraction()
             enqueue_samples(redis, run_id, pending)
@@ -95,14 +110,16 @@ def _ingest(
         if len(pending) >= ENQUEUE_BATCH:
             flush()
 
-    result = ingest_dataset(
+    ingest_dataset(
         dataset,
         tokenizer,
         writer,
-        options,
-        vocab_size=vocab_size,
+        IngestOptions(**json.loads(meta["options"])),
+        vocab_size=int(meta["vocab_size"]),
         on_error=lambda sample_id, message: state.record_error(-1, sample_id, message, "ingest", final=True),
         on_sample=on_sample,
+        result=result,
+        earlier_ids=earlier_ids,
     )
     flush()
     writer.close({"dataset": str(dataset), "model_dir": str(model_dir), "bad_lines": result.bad_lines})
@@ -115,8 +132,12 @@ def _ingest(
 
 
 def ingest_run(run_id: str, dataset: str, options: dict) -> dict:
-    """RQ job: ``start_run`` with the worker's settings and connection."""
+    """RQ job: ``start_run`` with the worker's settings and connection; the same job queued again after its
+    worker died (services/extractor/reaper.py) takes the ingest up where it last flushed."""
     settings = Settings()
     redis = Redis.from_url(settings.redis_url, decode_responses=True)  # run state is text; RQ's own client is not
-    result = start_run(redis, settings, run_id, Path(dataset), IngestOptions(**options))
+    if RunState(redis, run_id).exists():
+        result = resume_run(redis, settings, run_id)
+    else:
+        result = start_run(redis, settings, run_id, Path(dataset), IngestOptions(**options))
     return asdict(result)
