@@ -82,14 +82,38 @@ def encode_states(
         metadata = {**metadata, "storage": "bf16"}
     elif store_dtype == "fp8":
         for k in STATE_TENSORS:
-            x = tensors[k].float()  # [T, D]
-            amax = x.abs().amax(-1, keepdim=True)  # [T, 1]
-            scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-            # clamp: amax / scale can round a hair above 448, and e4m3fn has no inf to saturate to
-            out[k] = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-            out[f"{k}_scale"] = scale
+            out[k], out[f"{k}_scale"] = _encode_fp8(tensors[k])
         metadata = {**metadata, "storage": FP8_STORAGE}
     return out, metadata
+
+
+def _row_chunks(x: torch.Tensor) -> range:
+    """Starts of row blocks of ~1 MB of float32: each block is worked on while it sits in the CPU's cache, and
+    no [T, D] float32 copy of a whole sample is ever made."""
+    return range(0, x.shape[0], max(1, (1 << 18) // max(1, x.shape[1])))
+
+
+def _encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (float8 e4m3 [T, D], float32 scale [T, 1]), x ≈ value * scale, row by row."""
+    values, scale = torch.empty(x.shape, dtype=FP8), torch.empty(x.shape[0], 1)
+    starts = _row_chunks(x)
+    for start in starts:
+        block = x[start : start + starts.step].to(torch.float32, copy=True)
+        amax = block.abs().amax(-1, keepdim=True)
+        s = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+        # clamp: amax / scale can round a hair above 448, and e4m3fn has no inf to saturate to
+        values[start : start + starts.step] = block.div_(s).clamp_(-FP8_MAX, FP8_MAX)
+        scale[start : start + starts.step] = s
+    return values, scale
+
+
+def _decode_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(values.shape, dtype=dtype)
+    starts = _row_chunks(values)
+    for start in starts:
+        rows = slice(start, start + starts.step)
+        out[rows] = values[rows].to(torch.float32).mul_(scale[rows])
+    return out
 
 
 def decode_states(
@@ -97,7 +121,7 @@ def decode_states(
 ) -> dict[str, torch.Tensor]:
     """The two state tensors of a stored sample, back in ``dtype``."""
     if metadata.get("storage") == FP8_STORAGE:
-        return {k: (tensors[k].float() * tensors[f"{k}_scale"]).to(dtype) for k in STATE_TENSORS}
+        return {k: _decode_fp8(tensors[k], tensors[f"{k}_scale"], dtype) for k in STATE_TENSORS}
     return {k: tensors[k].to(dtype) for k in STATE_TENSORS}
 
 

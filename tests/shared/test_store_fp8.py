@@ -92,3 +92,18 @@ def test_fp8_file_without_its_scales_is_not_complete(tmp_path):
     assert not sample_is_complete(path, T)
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata()["storage"] == FP8_STORAGE
+
+
+def test_fp8_encoding_is_the_same_across_row_blocks():
+    """Encoding runs a cache-sized block of rows at a time; every row must come out as if encoded alone,
+    zero rows and huge values included."""
+    x = torch.randn(3000, 700, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x[5], x[2999, 3] = 0, 1e30
+    stored, _ = encode_states({"input_ids": None, "loss_mask": None, "hidden_states": x, "aux_hidden_states": x},
+                              {}, "fp8")  # fmt: skip
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    expected = (xf / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(stored["hidden_states"].view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(stored["hidden_states_scale"], scale)
