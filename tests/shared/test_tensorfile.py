@@ -111,3 +111,15 @@ def test_nan_far_into_a_long_dump_is_found_with_its_token(tmp_path):
     dump = read_dump(write_dump(tmp_path, "eaglet:r:s:1", h, aux, aux_layer_ids=[1, 2, 3], model="m"))
     with pytest.raises(DumpInvalid, match="aux_hidden_states has NaN/Inf \\(first at token 2901\\)"):
         validate_dump(dump, rid="eaglet:r:s:1", num_tokens=t, hidden_size=hidden)
+
+
+def test_huge_but_finite_states_are_accepted_and_a_nan_beside_them_is_found(tmp_path):
+    """The check sums a block first; finite values whose sum overflows must not be taken for an Inf."""
+    h = torch.full((40, 64), 3e38, dtype=torch.bfloat16)  # each finite, their sum far past float32's range
+    aux = torch.zeros(40, 192, dtype=torch.bfloat16)
+    dump = read_dump(write_dump(tmp_path, "eaglet:r:s:1", h, aux, aux_layer_ids=[1, 2, 3], model="m"))
+    validate_dump(dump, rid="eaglet:r:s:1", num_tokens=40, hidden_size=64)
+    h[33, 7] = float("nan")
+    dump = read_dump(write_dump(tmp_path, "eaglet:r:s:2", h, aux, aux_layer_ids=[1, 2, 3], model="m"))
+    with pytest.raises(DumpInvalid, match="hidden_states has NaN/Inf \\(first at token 33\\)"):
+        validate_dump(dump, rid="eaglet:r:s:2", num_tokens=40, hidden_size=64)
