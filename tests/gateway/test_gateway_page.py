@@ -104,7 +104,8 @@ def seeded(redis):
     now = time.time()
     redis.hset(RunKeys("demo-run").train, mapping={"step": 250, "total_steps": 1000, "loss": 1.25, "updated_at": now})
     beat(redis, "w-live", state=WorkerState.busy, host="h1", pid=1, inference_url="http://inf:1", run="demo-run",
-         sample="s60", disk_free=5 * 10**11, disk_total=10**12)  # fmt: skip
+         sample="s60", disk_free=5 * 10**11, disk_total=10**12,
+         stage_seconds={"prefill": 1.25, "dump_wait": 0.0, "check": 0.02, "store": 0.31})  # fmt: skip
     redis.hset("eaglet:workers", "w-gone", '{"state": "busy", "run": "demo-run", "sample": "s61", "ts": 1}')
     return state
 
@@ -122,6 +123,7 @@ def test_page_shows_progress_rates_errors_workers_and_alerts(start_gateway, seed
     assert "48 done, 12 failed of 100" in text and "ETA" in text and "samples/s" in text
     assert "<b>dump of s58</b>: 3 tokens, expected 500" in text  # shown as text, not markup
     assert "lost (busy)" in text and "w-live" in text and "500.0 GB free of 1.0 TB" in text
+    assert "1.25 / 0.02 / 0.31" in text  # where w-live's time goes: mostly waiting on the server
     assert {a.get("data-kind") for a in page.attrs} >= {"workers_lost", "error_rate"}
 
     shot = tmp_path / "page.png"
