@@ -1,6 +1,7 @@
 """``eaglet``: one command for every part of the pipeline.
 
 eaglet ingest DATASET --run ID     tokenize a JSONL dataset into a run and queue its samples
+eaglet ingest --run ID --resume    take up a run's ingest where it last flushed (its process died)
 eaglet serve                       the reference inference server (transformers)
 eaglet worker                      an extractor worker
 eaglet gateway                     the HTTP status and control service
@@ -39,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ENTRY_POINTS:
         sub.add_parser(name, help=f"see: eaglet {name} --help")
     ingest = sub.add_parser("ingest", help="tokenize a JSONL dataset into a run and queue its samples")
-    ingest.add_argument("dataset", type=Path)
+    ingest.add_argument("dataset", type=Path, nargs="?", help="JSONL dataset (not with --resume)")
     ingest.add_argument("--run", required=True, help="run id: letters, digits, '.', '_', '-'")
+    ingest.add_argument("--resume", action="store_true", help="take up the run's ingest where it last flushed")
     ingest.add_argument("--max-tokens", type=int, default=4096)
     ingest.add_argument("--overlong", choices=["truncate", "reject"], default="reject")
     ingest.add_argument("--limit", type=int)
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     regen.add_argument("--concurrency", type=int, default=8)
     sub.add_parser("prepare-model", help="convert the bundled target model once")
     args = parser.parse_args(argv)
+    if args.command == "ingest" and (args.dataset is None) != args.resume:
+        parser.error("ingest: give a DATASET for a new run, or --resume for a run whose ingest died (not both)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return {"ingest": ingest_command, "regenerate": regenerate_command, "prepare-model": prepare_model}[args.command](
         args
@@ -62,14 +66,16 @@ def ingest_command(args: argparse.Namespace) -> int:
     from redis import Redis
 
     from services.ingest.ingest import IngestOptions
-    from services.ingest.jobs import start_run
+    from services.ingest.jobs import resume_run, start_run
     from shared.config import Settings
 
     settings = Settings()
-    options = IngestOptions(max_tokens=args.max_tokens, overlong=args.overlong, limit=args.limit)
-    result = start_run(
-        Redis.from_url(settings.redis_url, decode_responses=True), settings, args.run, args.dataset, options
-    )
+    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    if args.resume:
+        result = resume_run(redis, settings, args.run)
+    else:
+        options = IngestOptions(max_tokens=args.max_tokens, overlong=args.overlong, limit=args.limit)
+        result = start_run(redis, settings, args.run, args.dataset, options)
     print(f"run {args.run}: {result.samples} samples, {result.tokens} tokens queued; {result.bad_lines} bad lines")
     for error in result.errors:
         print(f"  {error}")

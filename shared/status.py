@@ -458,7 +458,7 @@ def _alerts(
 ) -> list[Alert]:
     alerts = []
     ex = run.extraction
-    extracting = run.stage == Stage.extracting and ex.remaining != 0
+    extracting = run.stage in ACTIVE and ex.remaining != 0
     if extracting:
         usual = _usual_interval(completions)
         since = ex.last_done_at or ex.started_at or run.created_at or now
@@ -466,9 +466,11 @@ def _alerts(
             max(config.stall_factor * usual, config.stall_min_s) if usual else config.stall_factor * config.stall_min_s
         )
         if now - since > limit:
-            alerts.append(
-                Alert(kind="stalled", message=f"no sample completed for {now - since:.1f} s (limit {limit:.1f} s)")
-            )
+            hint = "" if ex.total is not None else (
+                f"; its ingest has not finished: if the process running `eaglet ingest` died, "
+                f"`eaglet ingest --run {run.run_id} --resume` takes it up where it last flushed")  # fmt: skip
+            alerts.append(Alert(kind="stalled", message=(
+                f"no sample completed for {now - since:.1f} s (limit {limit:.1f} s){hint}")))  # fmt: skip
     if run.stage in ACTIVE:
         lost = [w.name for w in cluster.workers if w.lost and w.run in ("", run.run_id)]
         if lost:
