@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import save_file
 
 from shared.ids import check_rid
-from shared.tensorfile import FileSlice, TensorFileError, map_tensors, read_header
+from shared.tensorfile import FileSlice, TensorFileError, map_tensors, read_header, row_blocks
 
 SUFFIX = ".safetensors"
-FINITE_CHECK_BYTES = 4 << 20
+FINITE_CHECK_BYTES = 8 << 20  # of float32: 4 MB of a bf16 dump a block
 
 
 class DumpInvalid(ValueError):
@@ -108,14 +108,13 @@ def validate_dump(dump: Dump, *, rid: str, num_tokens: int, hidden_size: int, nu
     if dump.metadata.get("num_tokens") != str(num_tokens):
         raise DumpInvalid(f"{where}: metadata num_tokens {dump.metadata.get('num_tokens')!r}, expected {num_tokens}")
     for name, t in (("hidden_states", h), ("aux_hidden_states", aux)):
-        rows = max(1, FINITE_CHECK_BYTES // max(1, t[0].nbytes))  # a few MB at a time: no [T, D] mask of bools
-        for start in range(0, num_tokens, rows):
-            block = t[start : start + rows]
+        for rows in row_blocks(t, FINITE_CHECK_BYTES):
+            block = t[rows]
             # A sum is finite only if every term is: one fast pass. Only a block whose sum is not (a NaN or Inf,
             # or finite values summing past the float32 range) is checked value by value.
             if torch.isfinite(block.sum(dtype=torch.float32)):
                 continue
             finite = torch.isfinite(block).all(dim=-1)
             if not bool(finite.all()):
-                bad = start + int((~finite).nonzero()[0, 0])
+                bad = rows.start + int((~finite).nonzero()[0, 0])
                 raise DumpInvalid(f"{where}: {name} has NaN/Inf (first at token {bad})")

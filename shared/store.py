@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shared.ids import check_id, fanout
-from shared.tensorfile import FileSlice, TensorFileError, read_header, write_tensors
+from shared.tensorfile import FileSlice, TensorFileError, read_header, row_blocks, write_tensors
 
 SAMPLE_TENSORS = ("input_ids", "loss_mask", "hidden_states", "aux_hidden_states")
 STATE_TENSORS = ("hidden_states", "aux_hidden_states")
@@ -33,6 +33,7 @@ STORE_DTYPES = ("model", "bf16", "fp8")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_STORAGE = "fp8_e4m3"
+FP8_BLOCK_BYTES = 1 << 20
 
 
 class StoreError(OSError):
@@ -87,31 +88,22 @@ def encode_states(
     return out, metadata
 
 
-def _row_chunks(x: torch.Tensor) -> range:
-    """Starts of row blocks of ~1 MB of float32: each block is worked on while it sits in the CPU's cache, and
-    no [T, D] float32 copy of a whole sample is ever made."""
-    return range(0, x.shape[0], max(1, (1 << 18) // max(1, x.shape[1])))
-
-
 def _encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> (float8 e4m3 [T, D], float32 scale [T, 1]), x ≈ value * scale, row by row."""
+    """x [T, D] -> (float8 e4m3 [T, D], float32 scale [T, 1]), x ≈ value * scale, a cache-sized block of rows
+    at a time (no float32 copy of the whole sample)."""
     values, scale = torch.empty(x.shape, dtype=FP8), torch.empty(x.shape[0], 1)
-    starts = _row_chunks(x)
-    for start in starts:
-        block = x[start : start + starts.step].to(torch.float32, copy=True)
+    for rows in row_blocks(x, FP8_BLOCK_BYTES):
+        block = x[rows].to(torch.float32, copy=True)
         amax = block.abs().amax(-1, keepdim=True)
-        s = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+        scale[rows] = s = torch.where(amax > 0, amax / FP8_MAX, 1.0)
         # clamp: amax / scale can round a hair above 448, and e4m3fn has no inf to saturate to
-        values[start : start + starts.step] = block.div_(s).clamp_(-FP8_MAX, FP8_MAX)
-        scale[start : start + starts.step] = s
+        values[rows] = block.div_(s).clamp_(-FP8_MAX, FP8_MAX)
     return values, scale
 
 
 def _decode_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(values.shape, dtype=dtype)
-    starts = _row_chunks(values)
-    for start in starts:
-        rows = slice(start, start + starts.step)
+    for rows in row_blocks(values, FP8_BLOCK_BYTES):
         out[rows] = values[rows].to(torch.float32).mul_(scale[rows])
     return out
 

@@ -9,8 +9,10 @@ header padded to 8 bytes, then the tensors' bytes back to back.
 
 import errno
 import json
+import math
 import mmap
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +50,7 @@ class FileSlice:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -72,23 +74,25 @@ def read_header(path: Path) -> Header:
         except ValueError as e:
             raise TensorFileError(f"{path.name}: header is not JSON ({e})") from e
         size = f.seek(0, os.SEEK_END)
-    metadata = header.pop("__metadata__", None) or {}
-    start, end, slices = 8 + header_len, 0, {}
     try:
-        for name, info in header.items():
-            begin, stop = info["data_offsets"]
-            dtype, shape = DTYPES[info["dtype"]], tuple(int(d) for d in info["shape"])
-            if stop - begin != _numel(shape) * dtype.itemsize:
-                raise TensorFileError(f"{path.name}: {name} has {stop - begin} bytes for shape {list(shape)}")
-            slices[name] = FileSlice(path, start + begin, dtype, shape)
-            end = max(end, stop)
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, TensorFileError):
-            raise
+        metadata = header.pop("__metadata__", None) or {}
+        places = {name: _place(info) for name, info in header.items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise TensorFileError(f"{path.name}: malformed header ({type(e).__name__}: {e})") from e
+    start, slices = 8 + header_len, {}
+    for name, (begin, stop, dtype, shape) in places.items():
+        if stop - begin != math.prod(shape) * dtype.itemsize:
+            raise TensorFileError(f"{path.name}: {name} has {stop - begin} bytes for shape {list(shape)}")
+        slices[name] = FileSlice(path, start + begin, dtype, shape)
+    end = max((stop for _, stop, _, _ in places.values()), default=0)
     if size != start + end:
         raise TensorFileError(f"{path.name}: {size} bytes, the header describes {start + end}")
     return Header(slices, metadata)
+
+
+def _place(info: dict) -> tuple[int, int, torch.dtype, tuple[int, ...]]:
+    begin, stop = (int(x) for x in info["data_offsets"])
+    return begin, stop, DTYPES[info["dtype"]], tuple(int(d) for d in info["shape"])
 
 
 def map_tensors(header: Header) -> dict[str, torch.Tensor]:
@@ -99,11 +103,20 @@ def map_tensors(header: Header) -> dict[str, torch.Tensor]:
     with open(path, "rb") as f:
         # ACCESS_COPY: writable for torch.frombuffer, and a write would never reach the file.
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    out = {}
-    for name, s in header.slices.items():
-        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=s.nbytes, offset=s.offset) if s.nbytes else None
-        out[name] = flat.view(s.dtype).view(s.shape) if flat is not None else torch.empty(s.shape, dtype=s.dtype)
-    return out
+    return {
+        name: torch.frombuffer(mapped, dtype=torch.uint8, count=s.nbytes, offset=s.offset).view(s.dtype).view(s.shape)
+        if s.nbytes
+        else torch.empty(s.shape, dtype=s.dtype)  # frombuffer refuses a count of 0
+        for name, s in header.slices.items()
+    }
+
+
+def row_blocks(x: torch.Tensor, block_bytes: int) -> Iterator[slice]:
+    """Slices of ``x`` [T, D] of about ``block_bytes`` of float32 each: a big (often memory-mapped) tensor is
+    worked through while each block sits in the CPU's cache, with no temporary the size of the whole."""
+    rows = max(1, block_bytes // max(1, 4 * x.shape[1]))
+    for start in range(0, x.shape[0], rows):
+        yield slice(start, start + rows)
 
 
 def write_tensors(fd: int, parts: dict[str, torch.Tensor | FileSlice], metadata: dict[str, str]) -> int:
@@ -113,7 +126,7 @@ def write_tensors(fd: int, parts: dict[str, torch.Tensor | FileSlice], metadata:
     header, offset = {}, 0
     for name, part in parts.items():
         dtype, shape = (part.dtype, tuple(part.shape))
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header["__metadata__"] = metadata
@@ -150,10 +163,3 @@ def _write_all(fd: int, data) -> None:
     view = memoryview(data).cast("B")
     while view:
         view = view[os.write(fd, view) :]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -3,7 +3,7 @@
 A bad line is reported (file, line number, reason) and skipped; the rest goes on. Samples are handed
 to ``on_sample`` as they are stored, so extraction can start before the file has been read to the end.
 The result doubles as the cursor: where in the file reading stopped and what it counted, so an ingest
-whose process died is taken up from its last flush (``resume``).
+whose process died is taken up from its last flush.
 """
 
 import logging
@@ -51,12 +51,8 @@ class IngestResult:
     errors: list[str] = field(default_factory=list)  # the first few, for the console
 
     def cursor(self) -> dict:
-        """What a resumed ingest starts from (``resume``): everything but the console's errors."""
+        """What a resumed ingest starts from (``IngestResult(**cursor)``): everything but the console's errors."""
         return {k: v for k, v in asdict(self).items() if k != "errors"}
-
-    @classmethod
-    def resume(cls, cursor: dict) -> "IngestResult":
-        return cls(**cursor)
 
 
 def ingest_dataset(

@@ -62,7 +62,7 @@ def resume_run(redis: Redis, settings: Settings, run_id: str) -> IngestResult:
     meta = state.meta()
     if not meta or "total" in meta or state.stage() not in (Stage.ingesting, Stage.extracting):
         raise RunExists(f"run {run_id!r} has no ingest to take up (stage {meta.get('stage')})")
-    cursor = IngestResult.resume(json.loads(meta["ingest_cursor"])) if meta.get("ingest_cursor") else None
+    cursor = IngestResult(**json.loads(meta["ingest_cursor"])) if meta.get("ingest_cursor") else None
     log.info("run %s: ingest taken up again at line %d", run_id, cursor.lines if cursor else 0)
     return _ingest_or_fail(redis, settings, state, cursor)
 

@@ -84,6 +84,9 @@ def test_a_header_that_lies_about_a_tensor_is_refused(tmp_path):
     path.write_bytes(b"\x20\0\0\0\0\0\0\0" + b'{"x":{"dtype":"F32","shape":[4],"data_offsets":[0,8]}}'[:32])
     with pytest.raises(TensorFileError):
         read_header(path)
+    path.write_bytes(b"\x08\0\0\0\0\0\0\0" + b"[1, 2] ")  # JSON, but not a header
+    with pytest.raises(TensorFileError, match="malformed header"):
+        read_header(path)
 
 
 def test_store_copies_kept_states_from_the_dump_and_encodes_the_rest(tmp_path):
