@@ -33,15 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import free_port, load, save_result, start_redis  # noqa: E402
-from cli.stack import LocalStack  # noqa: E402
-from services.ingest.ingest import IngestOptions  # noqa: E402
-from services.ingest.jobs import start_run  # noqa: E402
-from shared.config import Settings  # noqa: E402
-from shared.dumpfile import dump_path  # noqa: E402
-from shared.ids import make_rid  # noqa: E402
-from shared.runstate import RunState  # noqa: E402
-from shared.samples import SampleSet  # noqa: E402
-from shared.store import samples_dir  # noqa: E402
+from eaglet.cli.stack import LocalStack  # noqa: E402
+from eaglet.services.ingest.ingest import IngestOptions  # noqa: E402
+from eaglet.services.ingest.jobs import start_run  # noqa: E402
+from eaglet.shared.config import Settings  # noqa: E402
+from eaglet.shared.dumpfile import dump_path  # noqa: E402
+from eaglet.shared.ids import make_rid  # noqa: E402
+from eaglet.shared.runstate import RunState  # noqa: E402
+from eaglet.shared.samples import SampleSet  # noqa: E402
+from eaglet.shared.store import samples_dir  # noqa: E402
 
 DATASET = ROOT / "data" / "demo" / "train.jsonl"
 
@@ -124,12 +124,14 @@ def main() -> int:
     try:
         redis = Redis.from_url(redis_url, decode_responses=True)
         with LocalStack(folder / "logs", env=env) as stack:
-            stack.start("inference", "services.inference.main", "--port", str(ports["dump"]))
-            stack.start("inference-nodump", "services.inference.main", "--port", str(ports["nodump"]), "--no-dump")
+            stack.start("inference", "eaglet.services.inference.main", "--port", str(ports["dump"]))
+            stack.start(
+                "inference-nodump", "eaglet.services.inference.main", "--port", str(ports["nodump"]), "--no-dump"
+            )
             stack.wait_http("inference", f"{settings.inference_url}/health", timeout=300)
             stack.wait_http("inference-nodump", f"http://127.0.0.1:{ports['nodump']}/health", timeout=300)
             for i in range(args.workers):
-                stack.start(f"worker-{i}", "services.extractor.worker", "--name", f"bench-worker-{i}")
+                stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"bench-worker-{i}")
             time.sleep(5)  # the workers import torch and register before the first run is queued
             disk_bps = disk_write_bandwidth(data_dir)
             prompts: list[list[int]] = []

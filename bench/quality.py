@@ -4,7 +4,7 @@ fp8 vs bf16 stored hidden states on the same data and steps, trainer tokens/s an
 Extracts the first ``--limit`` demo conversations once through the real pipeline (Redis, reference server,
 workers), then derives runs from that extraction: each stored sample re-encoded as bf16 or fp8 (the same
 states, so the only difference is the storage), and bf16 runs restricted to the first n samples (the done
-bitmap). Each run is trained by ``python -m services.trainer.main`` in its own process (its peak RSS is
+bitmap). Each run is trained by ``python -m eaglet.services.trainer.main`` in its own process (its peak RSS is
 measured) and evaluated by real speculative decoding on the held-out demo prompts (``data/demo/eval.jsonl``).
 
     python bench/quality.py                                   # 60 conversations, curve 20/60: ~15 min on 2 busy cores
@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import free_port, load, save_result, start_redis  # noqa: E402
 from bench.pipeline import pipeline_phase  # noqa: E402
-from cli.stack import LocalStack  # noqa: E402
-from shared.config import Settings  # noqa: E402
-from shared.keys import RunKeys  # noqa: E402
-from shared.samples import SampleSet  # noqa: E402
-from shared.store import open_sample, read_metadata, sample_path, samples_dir, write_sample  # noqa: E402
+from eaglet.cli.stack import LocalStack  # noqa: E402
+from eaglet.shared.config import Settings  # noqa: E402
+from eaglet.shared.keys import RunKeys  # noqa: E402
+from eaglet.shared.samples import SampleSet  # noqa: E402
+from eaglet.shared.store import open_sample, read_metadata, sample_path, samples_dir, write_sample  # noqa: E402
 
 EVAL = ROOT / "data" / "demo" / "eval.jsonl"
 
@@ -60,7 +60,7 @@ def derive_run(redis: Redis, data_dir: Path, src: str, run: str, store_dtype: st
 
 def train_and_eval(run: str, env: dict, flags: list[str], log_dir: Path) -> dict:
     """The trainer (with its evaluation) in its own process; wall seconds and peak RSS from wait4."""
-    cmd = [sys.executable, "-m", "services.trainer.main", "--run", run, *flags, "--eval-prompts", str(EVAL)]
+    cmd = [sys.executable, "-m", "eaglet.services.trainer.main", "--run", run, *flags, "--eval-prompts", str(EVAL)]
     with open(log_dir / f"{run}.log", "wb") as log:
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
@@ -99,10 +99,10 @@ def main() -> int:
     try:
         redis = Redis.from_url(redis_url, decode_responses=True)
         with LocalStack(folder / "logs", env=env) as stack:
-            stack.start("inference", "services.inference.main", "--port", str(port))
+            stack.start("inference", "eaglet.services.inference.main", "--port", str(port))
             stack.wait_http("inference", f"{settings.inference_url}/health", timeout=300)
             for i in range(2):
-                stack.start(f"worker-{i}", "services.extractor.worker", "--name", f"quality-worker-{i}")
+                stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"quality-worker-{i}")
             seconds, tokens, nbytes = pipeline_phase(redis, settings, "src", args.limit)
             figures["extraction"] = {"seconds": round(seconds, 1), "tokens": tokens, "bytes": nbytes}
             print(json.dumps(figures["extraction"]), flush=True)

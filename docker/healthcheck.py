@@ -26,8 +26,8 @@ def worker() -> bool:
     # Reads the heartbeat the worker itself writes to Redis: healthy means it reaches Redis and its loop runs.
     from redis import Redis
 
-    from shared import keys
-    from shared.config import Settings
+    from eaglet.shared import keys
+    from eaglet.shared.config import Settings
 
     settings = Settings()
     redis = Redis.from_url(settings.redis_url, decode_responses=True, socket_timeout=5)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A light CPU install of SGLang in its own venv (.venv-sglang), for the dump plugin's tests: SGLang's
-# classes import and build without a GPU; serving needs the GPU image (services/inference/Dockerfile.sglang).
+# classes import and build without a GPU; serving needs the GPU image (eaglet/services/inference/Dockerfile.sglang).
 # Pins: pyproject's `sglang-cpu` group. sglang itself goes in with --no-deps (its pins pull a CUDA torch
 # and GPU kernels, 11 GB). Then the plugin and eaglet, both editable and --no-deps, and the released
 # wheels of every supported SGLang version, which the contract test reads.
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=.venv-sglang
-PLUGIN=services/inference/sglang_plugin
+PLUGIN=eaglet/services/inference/sglang_plugin
 start=$(date +%s)
 
 pins=$("$PYTHON" scripts/pin.py sglang-cpu)
@@ -99,6 +99,6 @@ for v in $versions; do
   ls "$VENV/wheels"/sglang-"$v"-*.whl >/dev/null 2>&1 || "$PIP" download -q --no-deps -d "$VENV/wheels" "sglang==$v"
 done
 
-"$VENV/bin/python" -c "import sglang.srt.managers.tp_worker, sglang.srt.plugins, eaglet_sglang, shared.dumpfile"
+"$VENV/bin/python" -c "import sglang.srt.managers.tp_worker, sglang.srt.plugins, eaglet_sglang, eaglet.shared.dumpfile"
 echo "$stamp" >"$VENV/.installed"
 echo "$VENV ready in $(($(date +%s) - start)) s"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from shared.target import make_tiny_llama, resolve_model_dir
+from eaglet.shared.target import make_tiny_llama, resolve_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_CACHE = ROOT / "var" / "models"  # reused across test runs: the conversion takes ~25 s
@@ -97,12 +97,12 @@ class Server:
 @pytest.fixture(scope="session")
 def reference_server(tmp_path_factory, tiny_model_dir):
     """The real reference inference server on the tiny Llama, over real HTTP, in its own process."""
-    from cli.stack import LocalStack
+    from eaglet.cli.stack import LocalStack
 
     folder = tmp_path_factory.mktemp("reference-server")
     port = free_port()
     env = {"EAGLET_DUMP_DIR": str(folder / "dump"), "EAGLET_MODEL": str(tiny_model_dir)}
     with LocalStack(folder / "logs", env=env) as stack:
-        stack.start("inference", "services.inference.main", "--port", str(port))
+        stack.start("inference", "eaglet.services.inference.main", "--port", str(port))
         stack.wait_http("inference", f"http://127.0.0.1:{port}/health", timeout=120)
         yield Server(stack, f"http://127.0.0.1:{port}", folder / "dump", tiny_model_dir)

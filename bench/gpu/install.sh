@@ -31,7 +31,7 @@ done
 # eaglet's plugin, always from this tree (a fix travels with the tree): a distribution with the entry point.
 if [ -f $S/p1.done ]; then
   rm -rf $S/plugin_site; mkdir -p $S/plugin_site
-  rm -rf /root/plugbuild; cp -r services/inference/sglang_plugin /root/plugbuild; rm -rf /root/plugbuild/*.egg-info
+  rm -rf /root/plugbuild; cp -r eaglet/services/inference/sglang_plugin /root/plugbuild; rm -rf /root/plugbuild/*.egg-info
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target $S/plugin_site /root/plugbuild \
     >/root/plugbuild.log 2>&1 || { echo "plugin install failed:"; tail -20 /root/plugbuild.log; }
 fi

@@ -160,7 +160,7 @@ def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: f
             [
                 sys.executable,
                 "-m",
-                "services.inference.sglang_launch",
+                "eaglet.services.inference.sglang_launch",
                 "--model-path",
                 str(model),
                 "--dump-dir",
@@ -201,7 +201,9 @@ def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: f
 
 
 def reference(name: str, model: Path, *, dump: bool, timeout: float = 300) -> float:
-    argv = [sys.executable, "-m", "services.inference.main", "--port", str(REF_PORT)] + ([] if dump else ["--no-dump"])
+    argv = [sys.executable, "-m", "eaglet.services.inference.main", "--port", str(REF_PORT)] + (
+        [] if dump else ["--no-dump"]
+    )
     env = {
         "EAGLET_MODEL": str(model),
         "EAGLET_DUMP_DIR": str(DUMPS),
@@ -247,18 +249,23 @@ def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, m
     sys.path[:0] = [str(REPO), f"{S}/esite"]
     from redis import Redis
 
-    from services.ingest.ingest import IngestOptions
-    from services.ingest.jobs import start_run
-    from shared import heartbeats
-    from shared.config import Settings
-    from shared.keys import RunKeys
-    from shared.runstate import RunState
+    from eaglet.services.ingest.ingest import IngestOptions
+    from eaglet.services.ingest.jobs import start_run
+    from eaglet.shared import heartbeats
+    from eaglet.shared.config import Settings
+    from eaglet.shared.keys import RunKeys
+    from eaglet.shared.runstate import RunState
 
     redis = Redis.from_url(REDIS_URL, decode_responses=True)
     DATA.mkdir(parents=True, exist_ok=True)  # the workers' heartbeat reads its free space
     names = [f"{run_id}-w{i}" for i in range(workers)]
     for n in names:
-        start(n, [sys.executable, "-m", "services.extractor.worker", "--name", n], PY_EAGLET, eaglet_env(model, port))
+        start(
+            n,
+            [sys.executable, "-m", "eaglet.services.extractor.worker", "--name", n],
+            PY_EAGLET,
+            eaglet_env(model, port),
+        )
     t = time.time()
     while time.time() - t < 45:
         alive = {w.get("worker") or w.get("name") for w in heartbeats.workers(redis)}
@@ -367,9 +374,9 @@ def compare_with_reference(run_id: str, model: Path, limit: int | None = None) -
     from safetensors.torch import load_file
 
     sys.path[:0] = [str(REPO)]
-    from shared.dumpfile import read_dump
-    from shared.samples import SampleSet
-    from shared.store import sample_path, samples_dir
+    from eaglet.shared.dumpfile import read_dump
+    from eaglet.shared.samples import SampleSet
+    from eaglet.shared.store import sample_path, samples_dir
 
     samples = SampleSet(samples_dir(DATA, run_id))
     client = httpx.Client(base_url=f"http://127.0.0.1:{REF_PORT}", timeout=600)
@@ -479,7 +486,8 @@ def phase_extract(
     DUMPS.mkdir(parents=True, exist_ok=True)
     extra = ["--chunked-prefill-size", str(chunk), "--mem-fraction-static", "0.5", "--disable-cuda-graph"]
     R["server"] = {
-        "cmd": "python -m services.inference.sglang_launch --model-path M --dump-dir D " + " ".join(extra + SGL_BASE),
+        "cmd": "python -m eaglet.services.inference.sglang_launch --model-path M --dump-dir D "
+        + " ".join(extra + SGL_BASE),
         "startup_s": sglang(f"{phase}-sgl", model, plugin=True, extra=extra),
     }
     save(phase)

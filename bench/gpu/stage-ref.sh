@@ -27,7 +27,7 @@ cp -L /lib/x86_64-linux-gnu/libatomic.so.1 "$PR/redis/lib/" 2>/dev/null || true
 (cd "$REPO" && "$PY" - "$WORK/tokenizer" <<'PY'
 import sys
 from pathlib import Path
-from shared.target import resolve_model_dir
+from eaglet.shared.target import resolve_model_dir
 from transformers import AutoTokenizer
 AutoTokenizer.from_pretrained(resolve_model_dir("smollm2", Path("var/models"))).save_pretrained(sys.argv[1])
 PY

@@ -1,4 +1,4 @@
-"""eaglet's trainer (``services.trainer.main``), run as is, with its speed and peak GPU memory written down.
+"""eaglet's trainer (``eaglet.services.trainer.main``), run as is, with its speed and peak GPU memory written down.
 
     python bench/gpu/train_probe.py --run RUN [trainer flags...]      (PROBE_OUT: where the JSON goes)
 
@@ -14,9 +14,9 @@ import time
 import torch
 from redis import Redis
 
-from services.trainer import main as trainer_main
-from shared.config import Settings
-from shared.keys import RunKeys
+from eaglet.services.trainer import main as trainer_main
+from eaglet.shared.config import Settings
+from eaglet.shared.keys import RunKeys
 
 
 def run() -> int:

@@ -32,7 +32,7 @@ def test_demo_runs_to_a_drafter_and_its_acceptance_length(tmp_path, redis_server
         str(free_port()),
     ]
     done = subprocess.run(
-        [sys.executable, "-m", "cli.main", "demo", *argv],
+        [sys.executable, "-m", "eaglet.cli.main", "demo", *argv],
         cwd=tmp_path,
         env={**env, "PYTHONPATH": str(ROOT)},
         capture_output=True,

@@ -7,10 +7,10 @@ import subprocess
 import sys
 import time
 
-from shared.runstate import RunState, Stage
-from shared.samples import SampleSet
-from shared.status import StatusConfig, read_run
-from shared.store import samples_dir
+from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.status import StatusConfig, read_run
+from eaglet.shared.store import samples_dir
 from tests.conftest import ROOT
 
 
@@ -24,7 +24,7 @@ def test_a_killed_ingest_is_taken_up_with_resume(tmp_path, redis, redis_server, 
             f.write("\n")
     env = {**os.environ, "EAGLET_MODEL": str(tiny_model_dir), "EAGLET_REDIS_URL": redis_server.url,
            "EAGLET_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(ROOT)}  # fmt: skip
-    eaglet = [sys.executable, "-m", "cli.main", "ingest"]
+    eaglet = [sys.executable, "-m", "eaglet.cli.main", "ingest"]
     proc = subprocess.Popen([*eaglet, str(dataset), "--run", "cut"], cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     state = RunState(redis, "cut")

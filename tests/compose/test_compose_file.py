@@ -112,7 +112,7 @@ def test_env_example_documents_every_variable():
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_dockerfiles_run_as_non_root_with_a_healthcheck(service):
-    text = (ROOT / "services" / service / "Dockerfile").read_text()
+    text = (ROOT / "eaglet" / "services" / service / "Dockerfile").read_text()
     assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, flags=re.M)
     assert re.search(r"^USER eaglet$", text, flags=re.M)
     assert re.search(r"^HEALTHCHECK ", text, flags=re.M)

@@ -8,17 +8,17 @@ import pytest
 import torch
 from redis import Redis
 
-from cli.stack import LocalStack
-from services.extractor.extract import Extractor
-from services.ingest.ingest import IngestOptions
-from services.ingest.jobs import start_run
-from shared import keys
-from shared.config import Settings
-from shared.jobqueue import run_queue
-from shared.runstate import RunState
-from shared.samples import SampleSet
-from shared.status import StatusConfig, read_status
-from shared.store import open_sample, sample_is_complete, sample_path, samples_dir
+from eaglet.cli.stack import LocalStack
+from eaglet.services.extractor.extract import Extractor
+from eaglet.services.ingest.ingest import IngestOptions
+from eaglet.services.ingest.jobs import start_run
+from eaglet.shared import keys
+from eaglet.shared.config import Settings
+from eaglet.shared.jobqueue import run_queue
+from eaglet.shared.runstate import RunState
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.status import StatusConfig, read_status
+from eaglet.shared.store import open_sample, sample_is_complete, sample_path, samples_dir
 
 
 def write_dataset(path, n: int) -> None:
@@ -59,7 +59,7 @@ def test_two_workers_extract_every_sample_exactly_once(redis, settings, tmp_path
     pubsub.subscribe(keys.EVENTS)
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
         for i in range(2):
-            stack.start(f"worker-{i}", "services.extractor.worker", "--name", f"w{i}")
+            stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
         start_run(redis, settings, "e2e", tmp_path / "data.jsonl", IngestOptions())
         state = RunState(redis, "e2e")
         deadline = time.monotonic() + 180

@@ -12,10 +12,10 @@ import pytest
 import uvicorn
 from redis import Redis
 
-from services.gateway.main import create_app
-from services.gateway.settings import GatewaySettings
-from shared.heartbeats import WorkerState, beat, report_inference
-from shared.runstate import RunState
+from eaglet.services.gateway.main import create_app
+from eaglet.services.gateway.settings import GatewaySettings
+from eaglet.shared.heartbeats import WorkerState, beat, report_inference
+from eaglet.shared.runstate import RunState
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from cli.status import main
+from eaglet.cli.status import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def test_table_and_unknown_run(fake_run, redis_server, capsys):
 def test_watch_redraws_until_interrupted(fake_run, redis_server, tmp_path):
     seed(fake_run)
     env = {**os.environ, "COLUMNS": "120", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}  # as in a terminal
-    cmd = [sys.executable, "-c", "import sys; from cli.status import main; sys.exit(main(sys.argv[1:]))"]
+    cmd = [sys.executable, "-c", "import sys; from eaglet.cli.status import main; sys.exit(main(sys.argv[1:]))"]
     proc = subprocess.Popen(
         [*cmd, "r1", "--watch", "--interval", "0.2", "--redis-url", redis_server.url],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / "stderr", "w"), text=True,

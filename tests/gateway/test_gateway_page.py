@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.heartbeats import WorkerState, beat
-from shared.keys import RunKeys
-from shared.runstate import RunState, Stage
+from eaglet.shared.heartbeats import WorkerState, beat
+from eaglet.shared.keys import RunKeys
+from eaglet.shared.runstate import RunState, Stage
 
 CHROMIUM = shutil.which("chromium")
 GREEN, BLUE, RED = (0x2B, 0x8A, 0x3E), (0x19, 0x71, 0xC2), (0xE0, 0x31, 0x31)

@@ -4,9 +4,9 @@ import pytest
 from redis import Redis
 from rq import Queue
 
-from shared import jobqueue, keys
-from shared.keys import RunKeys
-from shared.runstate import RunState, Stage
+from eaglet.shared import jobqueue, keys
+from eaglet.shared.keys import RunKeys
+from eaglet.shared.runstate import RunState, Stage
 
 TOKEN = "test-token-0123456789abcdef"
 

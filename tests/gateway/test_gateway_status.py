@@ -5,8 +5,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.keys import RunKeys
-from shared.runstate import Stage
+from eaglet.shared.keys import RunKeys
+from eaglet.shared.runstate import Stage
 
 
 def check_extraction(run: dict, fake, generated_at: float, started_at: float) -> None:
@@ -135,7 +135,7 @@ def test_disk_alert_when_projection_exceeds_free(gateway, redis, fake_run):
     client = gateway.client()
     assert "disk" not in kinds(client.get("/runs/r3").json()["run"])
     remaining = (fake.truth.total_tokens - fake.truth.tokens) * fake.bytes_per_token
-    from shared.heartbeats import WorkerState, beat
+    from eaglet.shared.heartbeats import WorkerState, beat
 
     beat(
         redis,
@@ -153,7 +153,7 @@ def test_disk_alert_when_projection_exceeds_free(gateway, redis, fake_run):
 
 
 def test_status_lists_runs_newest_first_and_pages(gateway, redis):
-    from shared.runstate import RunState
+    from eaglet.shared.runstate import RunState
 
     for n in range(5):
         RunState(redis, f"run{n}").create()
@@ -168,7 +168,7 @@ def test_status_lists_runs_newest_first_and_pages(gateway, redis):
 
 
 def test_training_and_evaluation_figures(gateway, redis):
-    from shared.runstate import RunState
+    from eaglet.shared.runstate import RunState
 
     state = RunState(redis, "r4")
     state.create()

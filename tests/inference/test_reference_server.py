@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shared.dumpfile import dump_path, read_dump, validate_dump
-from shared.target import eagle3_layer_ids
+from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump
+from eaglet.shared.target import eagle3_layer_ids
 
 
 def direct_states(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

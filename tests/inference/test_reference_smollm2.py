@@ -3,7 +3,7 @@
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.inference.engine import ReferenceEngine
+from eaglet.services.inference.engine import ReferenceEngine
 
 
 def test_smollm2_states_and_answer(smollm2_dir):

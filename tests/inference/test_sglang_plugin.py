@@ -55,7 +55,7 @@ def _check_dump(dump_dir: Path, rid: str, prompt: list[int], dtype: str = "float
     """The extractor's own reading and validation, then the values: row p is token p of the prompt."""
     import torch
 
-    from shared.dumpfile import dump_path, read_dump, validate_dump
+    from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump
 
     dump = read_dump(dump_path(dump_dir, rid))
     validate_dump(dump, rid=rid, num_tokens=len(prompt), hidden_size=H)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.inference.sglang_launch import LaunchConfig, server_argv, server_env, vllm_layer_ids
+from eaglet.services.inference.sglang_launch import LaunchConfig, server_argv, server_env, vllm_layer_ids
 
 
 def _flags(argv: list[str]) -> list[str]:

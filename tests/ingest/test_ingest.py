@@ -3,13 +3,13 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from services.ingest.ingest import IngestOptions
-from services.ingest.jobs import RunExists, start_run
-from shared.config import Settings
-from shared.jobqueue import run_queue
-from shared.runstate import RunState, Stage
-from shared.samples import SampleSet
-from shared.store import samples_dir
+from eaglet.services.ingest.ingest import IngestOptions
+from eaglet.services.ingest.jobs import RunExists, start_run
+from eaglet.shared.config import Settings
+from eaglet.shared.jobqueue import run_queue
+from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.store import samples_dir
 
 GOOD = [
     {"id": "sharegpt-1", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there!"}]},

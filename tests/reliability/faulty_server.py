@@ -18,8 +18,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from safetensors.torch import save_file
 
-from services.inference.engine import ReferenceEngine
-from shared.dumpfile import dump_path, write_dump
+from eaglet.services.inference.engine import ReferenceEngine
+from eaglet.shared.dumpfile import dump_path, write_dump
 
 FAULTS = {
     "truncated": "unreadable",  # a partial file: the first half of a good dump

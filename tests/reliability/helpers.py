@@ -17,15 +17,15 @@ import pytest
 import uvicorn
 from redis import Redis
 
-from services.gateway.main import create_app
-from services.gateway.settings import GatewaySettings
-from shared import keys
-from shared.config import Settings
-from shared.jobqueue import run_queue
-from shared.keys import RunKeys
-from shared.runstate import RunState
-from shared.samples import SampleSet
-from shared.store import open_sample, sample_is_complete, sample_path, samples_dir
+from eaglet.services.gateway.main import create_app
+from eaglet.services.gateway.settings import GatewaySettings
+from eaglet.shared import keys
+from eaglet.shared.config import Settings
+from eaglet.shared.jobqueue import run_queue
+from eaglet.shared.keys import RunKeys
+from eaglet.shared.runstate import RunState
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.store import open_sample, sample_is_complete, sample_path, samples_dir
 
 log = logging.getLogger(__name__)
 TOKEN = "reliability-token-5f0c1e2d9a7b4c3e"
@@ -136,7 +136,7 @@ def check_outcome(redis: Redis, settings: Settings, run_id: str, n: int) -> dict
 
 
 def stored_meta_sample(path: Path) -> str:
-    from shared.store import read_metadata
+    from eaglet.shared.store import read_metadata
 
     return read_metadata(path)["sample_id"]
 

@@ -6,13 +6,13 @@ import logging
 import pytest
 import torch
 
-from cli.stack import LocalStack
-from services.inference.engine import ReferenceEngine
-from services.ingest.ingest import IngestOptions
-from services.ingest.jobs import start_run
-from shared.runstate import RunState
-from shared.samples import SampleSet
-from shared.store import open_sample, sample_path, samples_dir
+from eaglet.cli.stack import LocalStack
+from eaglet.services.inference.engine import ReferenceEngine
+from eaglet.services.ingest.ingest import IngestOptions
+from eaglet.services.ingest.jobs import start_run
+from eaglet.shared.runstate import RunState
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.store import open_sample, sample_path, samples_dir
 from tests.reliability.faulty_server import FAULTS, FaultyServer
 from tests.reliability.helpers import check_outcome, env_of, free_port, wait_for, write_dataset
 
@@ -43,7 +43,7 @@ def test_broken_dumps_are_rejected_retried_and_never_stored(redis, settings, tmp
     try:
         with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
             for i in range(2):
-                stack.start(f"w{i}", "services.extractor.worker", "--name", f"w{i}")
+                stack.start(f"w{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
             start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
             state = RunState(redis, run_id)
             wait_for("the run to complete", state.extraction_complete, 180)

@@ -11,19 +11,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from services.gateway.main import create_app as create_gateway
-from services.inference.batcher import Batcher
-from services.inference.engine import ReferenceEngine
-from services.inference.server import create_app as create_inference
-from services.ingest import records
-from services.ingest.chat import tokenize_conversation
-from services.ingest.ingest import IngestOptions
-from services.ingest.jobs import start_run
-from services.ingest.records import BadLine, Conversation, parse_line
-from shared.config import Settings
-from shared.runstate import RunState
-from shared.samples import SampleSet
-from shared.store import samples_dir
+from eaglet.services.gateway.main import create_app as create_gateway
+from eaglet.services.inference.batcher import Batcher
+from eaglet.services.inference.engine import ReferenceEngine
+from eaglet.services.inference.server import create_app as create_inference
+from eaglet.services.ingest import records
+from eaglet.services.ingest.chat import tokenize_conversation
+from eaglet.services.ingest.ingest import IngestOptions
+from eaglet.services.ingest.jobs import start_run
+from eaglet.services.ingest.records import BadLine, Conversation, parse_line
+from eaglet.shared.config import Settings
+from eaglet.shared.runstate import RunState
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.store import samples_dir
 from tests.reliability.helpers import TOKEN, gateway_settings
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -179,9 +179,9 @@ def test_fuzzed_generate_requests_never_crash_the_server_or_escape_the_dump_dir(
 
 
 def test_dump_and_sample_paths_never_leave_their_folder():
-    from shared.dumpfile import dump_path
-    from shared.ids import UnsafeName
-    from shared.store import sample_path
+    from eaglet.shared.dumpfile import dump_path
+    from eaglet.shared.ids import UnsafeName
+    from eaglet.shared.store import sample_path
 
     @FUZZ
     @given(name=st.text(max_size=40) | st.sampled_from(["..", "../x", "a/b", "/abs", "a\x00", "ok:..:1"]))

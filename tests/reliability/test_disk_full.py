@@ -11,10 +11,10 @@ import time
 import httpx
 import pytest
 
-from cli.stack import LocalStack
-from services.ingest.ingest import IngestOptions
-from services.ingest.jobs import start_run
-from shared.runstate import RunState
+from eaglet.cli.stack import LocalStack
+from eaglet.services.ingest.ingest import IngestOptions
+from eaglet.services.ingest.jobs import start_run
+from eaglet.shared.runstate import RunState
 from tests.reliability.helpers import check_outcome, env_of, gateway_settings, serve_gateway, wait_for, write_dataset
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def test_disk_full_pauses_with_an_alert_and_resumes(redis, redis_server, setting
     gateway = httpx.Client(base_url=url, timeout=10)
     try:
         with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
-            stack.start("w0", "services.extractor.worker", "--name", "w0")
+            stack.start("w0", "eaglet.services.extractor.worker", "--name", "w0")
             wait_for("a few samples", lambda: state.counts()["done"] >= 5, 60, 0.01)
             filler = small_volume / "filler"
             filled = fill(filler)

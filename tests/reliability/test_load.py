@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.heartbeats import WorkerState, beat, report_inference
-from shared.runstate import RunState
+from eaglet.shared.heartbeats import WorkerState, beat, report_inference
+from eaglet.shared.runstate import RunState
 from tests.reliability.helpers import free_port, wait_for
 
 log = logging.getLogger(__name__)
@@ -28,12 +28,12 @@ CLIENTS, REQUESTS = 32, 3000
 
 @pytest.fixture
 def gateway_process(redis_server, tmp_path):
-    """``python -m services.gateway.main`` with two processes behind its port, as the compose stack runs it."""
+    """``python -m eaglet.services.gateway.main`` with two processes behind its port, as the compose stack runs it."""
     port = free_port()
     env = {**os.environ, "EAGLET_REDIS_URL": redis_server.url, "EAGLET_PORT": str(port), "EAGLET_API_TOKEN": "",
            "EAGLET_DATA_DIR": str(tmp_path), "EAGLET_GATEWAY_WORKERS": "2"}  # fmt: skip
     log_file = open(tmp_path / "gateway.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.gateway.main"], cwd=ROOT, env=env, stdout=log_file,
+    proc = subprocess.Popen([sys.executable, "-m", "eaglet.services.gateway.main"], cwd=ROOT, env=env, stdout=log_file,
                             stderr=subprocess.STDOUT)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_for("the gateway", lambda: _up(url) or proc.poll() is not None, 60, 0.1)

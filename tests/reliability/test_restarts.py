@@ -9,13 +9,13 @@ import httpx
 import pytest
 import torch
 
-from cli.stack import LocalStack
-from services.inference.engine import ReferenceEngine
-from services.ingest.ingest import IngestOptions
-from services.ingest.jobs import start_run
-from shared.runstate import RunState
-from shared.samples import SampleSet
-from shared.store import open_sample, sample_path, samples_dir
+from eaglet.cli.stack import LocalStack
+from eaglet.services.inference.engine import ReferenceEngine
+from eaglet.services.ingest.ingest import IngestOptions
+from eaglet.services.ingest.jobs import start_run
+from eaglet.shared.runstate import RunState
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.store import open_sample, sample_path, samples_dir
 from tests.reliability.helpers import (
     check_outcome,
     env_of,
@@ -39,12 +39,12 @@ def test_inference_server_killed_and_restarted_mid_run(redis, settings, tmp_path
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
 
         def start_server() -> None:
-            stack.start("inference", "services.inference.main", "--port", str(port), env=server_env)
+            stack.start("inference", "eaglet.services.inference.main", "--port", str(port), env=server_env)
             stack.wait_http("inference", f"{settings.inference_url}/health", timeout=120)
 
         start_server()
         for i in range(2):
-            stack.start(f"w{i}", "services.extractor.worker", "--name", f"w{i}")
+            stack.start(f"w{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
         start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
         state = RunState(redis, run_id)
         for k in range(restarts):
@@ -83,7 +83,7 @@ def test_redis_killed_and_restarted_mid_run(redis, redis_server, settings, tmp_p
     try:
         with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
             for i in range(2):
-                stack.start(f"w{i}", "services.extractor.worker", "--name", f"w{i}")
+                stack.start(f"w{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
             start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
             state = RunState(redis, run_id)
             for k, kill in enumerate((True, False)):  # SIGKILL, then a clean stop

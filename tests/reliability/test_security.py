@@ -11,15 +11,15 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from cli.stack import LocalStack
-from services.gateway import deps
-from services.gateway.main import create_app
-from services.ingest.ingest import IngestOptions
-from services.ingest.jobs import start_run
-from shared.dumpfile import dump_path
-from shared.ids import UnsafeName, make_rid
-from shared.runstate import RunState
-from shared.store import run_dir, sample_path
+from eaglet.cli.stack import LocalStack
+from eaglet.services.gateway import deps
+from eaglet.services.gateway.main import create_app
+from eaglet.services.ingest.ingest import IngestOptions
+from eaglet.services.ingest.jobs import start_run
+from eaglet.shared.dumpfile import dump_path
+from eaglet.shared.ids import UnsafeName, make_rid
+from eaglet.shared.runstate import RunState
+from eaglet.shared.store import run_dir, sample_path
 from tests.reliability.helpers import TOKEN, env_of, free_port, gateway_settings, wait_for, write_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,8 +100,8 @@ def test_no_secret_in_any_log(redis, settings, tmp_path, reference_server):
         env = env_of(settings, EAGLET_API_TOKEN=TOKEN, EAGLET_PORT=str(gateway_port))
         write_dataset(tmp_path / "data.jsonl", 4)
         with LocalStack(tmp_path / "logs", env=env) as stack:
-            stack.start("worker", "services.extractor.worker", "--name", "w0")
-            stack.start("gateway", "services.gateway.main")
+            stack.start("worker", "eaglet.services.extractor.worker", "--name", "w0")
+            stack.start("gateway", "eaglet.services.gateway.main")
             gateway = f"http://127.0.0.1:{gateway_port}"
             stack.wait_http("gateway", f"{gateway}/status", timeout=60)
             start_run(secured, settings, "sec", tmp_path / "data.jsonl", IngestOptions())

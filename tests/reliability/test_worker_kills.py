@@ -10,16 +10,16 @@ import pytest
 from redis import Redis
 from rq import Queue
 
-from cli.stack import LocalStack
-from services.inference.engine import ReferenceEngine
-from services.ingest.ingest import IngestOptions
-from services.ingest.jobs import start_run
-from shared import keys
-from shared.jobqueue import cancel, enqueue_ingest, run_queue
-from shared.keys import CONTROL_QUEUE
-from shared.runstate import RunState, Stage
-from shared.samples import SampleSet
-from shared.store import samples_dir
+from eaglet.cli.stack import LocalStack
+from eaglet.services.inference.engine import ReferenceEngine
+from eaglet.services.ingest.ingest import IngestOptions
+from eaglet.services.ingest.jobs import start_run
+from eaglet.shared import keys
+from eaglet.shared.jobqueue import cancel, enqueue_ingest, run_queue
+from eaglet.shared.keys import CONTROL_QUEUE
+from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.store import samples_dir
 from tests.reliability.faulty_server import FaultyServer
 from tests.reliability.helpers import check_outcome, env_of, free_port, wait_for, write_dataset
 
@@ -42,7 +42,7 @@ def test_workers_killed_at_random_moments_lose_nothing(redis, settings, tmp_path
     kills, busy_kills, renamed = 0, 0, 0
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
         for name in names:
-            stack.start(name, "services.extractor.worker", "--name", name)
+            stack.start(name, "eaglet.services.extractor.worker", "--name", name)
         start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
         state = RunState(redis, run_id)
         deadline = time.monotonic() + 240
@@ -62,11 +62,11 @@ def test_workers_killed_at_random_moments_lose_nothing(redis, settings, tmp_path
             kills += 1
             busy_kills += name in holding or beat.get("state") == "busy"
             if kills % 2:  # restarted under the same name: a new instance
-                stack.start(name, "services.extractor.worker", "--name", name)
+                stack.start(name, "eaglet.services.extractor.worker", "--name", name)
             else:  # replaced by a worker of another name: the old one's heartbeat goes stale
                 renamed += 1
                 names[names.index(name)] = new = f"{name}r{kills}"
-                stack.start(new, "services.extractor.worker", "--name", new)
+                stack.start(new, "eaglet.services.extractor.worker", "--name", new)
         counts = check_outcome(redis, settings, run_id, n)
     requeued = requeued_errors(redis, run_id)
     log.warning(
@@ -97,7 +97,7 @@ def test_a_sample_that_kills_its_worker_every_time_ends_failed_with_the_reason(
     kills = 0
     try:
         with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
-            stack.start("w0", "services.extractor.worker", "--name", "w0")
+            stack.start("w0", "eaglet.services.extractor.worker", "--name", "w0")
             start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
             state = RunState(redis, run_id)
             deadline = time.monotonic() + 120
@@ -109,7 +109,7 @@ def test_a_sample_that_kills_its_worker_every_time_ends_failed_with_the_reason(
                     stack.procs["w0"].send_signal(signal.SIGKILL)
                     stack.procs["w0"].wait(10)
                     kills += 1
-                    stack.start("w0", "services.extractor.worker", "--name", "w0")
+                    stack.start("w0", "eaglet.services.extractor.worker", "--name", "w0")
                 time.sleep(0.05)
             counts = check_outcome(redis, settings, run_id, n)
     finally:
@@ -132,7 +132,7 @@ def test_a_job_taken_by_a_worker_that_died_before_starting_it_is_found(redis, se
     job, _ = Queue.dequeue_any([Queue(CONTROL_QUEUE, connection=rq_redis), queue], None, connection=rq_redis)
     taken = job.args[1]  # and the worker that took it dies here
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
-        stack.start("w0", "services.extractor.worker", "--name", "w0")
+        stack.start("w0", "eaglet.services.extractor.worker", "--name", "w0")
         state = RunState(redis, run_id)
         wait_for("the run to complete", state.extraction_complete, 60)
     counts = check_outcome(redis, settings, run_id, n)
@@ -156,7 +156,7 @@ def test_an_ingest_whose_worker_dies_is_taken_up_where_it_stopped(redis, setting
     rq_redis = Redis.from_url(settings.redis_url)
     settings = settings.model_copy(update={"max_attempts": max_attempts})
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
-        stack.start("w0", "services.extractor.worker", "--name", "w0")
+        stack.start("w0", "eaglet.services.extractor.worker", "--name", "w0")
         wait_for("w0's heartbeat", lambda: redis.hexists(keys.WORKERS, "w0"), 60)
         enqueue_ingest(rq_redis, "half", str(dataset), {})
         state = RunState(redis, "half")
@@ -165,7 +165,7 @@ def test_an_ingest_whose_worker_dies_is_taken_up_where_it_stopped(redis, setting
         stack.procs["w0"].wait(10)
         cut = json.loads(state.meta()["ingest_cursor"])
         assert "total" not in state.meta(), "ingest ended before the kill: the test proved nothing"
-        stack.start("w1", "services.extractor.worker", "--name", "w1")
+        stack.start("w1", "eaglet.services.extractor.worker", "--name", "w1")
         if max_attempts == 1:
             wait_for("the run to end failed", lambda: state.stage() == Stage.failed, 120)
         else:

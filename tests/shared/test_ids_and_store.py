@@ -3,9 +3,9 @@ import os
 import pytest
 import torch
 
-from shared.dumpfile import DumpInvalid, read_dump, validate_dump, write_dump
-from shared.ids import UnsafeName, check_id, check_rid, make_rid
-from shared.store import sample_is_complete, sample_path, write_sample
+from eaglet.shared.dumpfile import DumpInvalid, read_dump, validate_dump, write_dump
+from eaglet.shared.ids import UnsafeName, check_id, check_rid, make_rid
+from eaglet.shared.store import sample_is_complete, sample_path, write_sample
 
 
 @pytest.mark.parametrize("bad", ["", "../x", "a/b", "a\x00b", ".hidden", "x" * 129, "a:b", "..", "a..b"])

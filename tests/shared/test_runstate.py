@@ -1,8 +1,8 @@
 import json
 import threading
 
-from shared import keys
-from shared.runstate import RunState, Stage
+from eaglet.shared import keys
+from eaglet.shared.runstate import RunState, Stage
 
 
 def new_run(redis, total=10, run_id="r1"):

@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from services.trainer.data import load_sample
-from shared.store import (
+from eaglet.services.trainer.data import load_sample
+from eaglet.shared.store import (
     FP8_STORAGE,
     decode_states,
     encode_states,

@@ -7,9 +7,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shared.dumpfile import DumpInvalid, read_dump, validate_dump, write_dump
-from shared.store import open_sample, sample_path, write_sample
-from shared.tensorfile import FileSlice, TensorFileError, map_tensors, read_header, write_tensors
+from eaglet.shared.dumpfile import DumpInvalid, read_dump, validate_dump, write_dump
+from eaglet.shared.store import open_sample, sample_path, write_sample
+from eaglet.shared.tensorfile import FileSlice, TensorFileError, map_tensors, read_header, write_tensors
 
 
 def mixed() -> dict[str, torch.Tensor]:

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from shared.runstate import RunState
-from shared.samples import SampleWriter
-from shared.store import sample_path, samples_dir, write_sample
-from shared.target import eagle3_layer_ids
+from eaglet.shared.runstate import RunState
+from eaglet.shared.samples import SampleWriter
+from eaglet.shared.store import sample_path, samples_dir, write_sample
+from eaglet.shared.target import eagle3_layer_ids
 
 
 def token_sequences(n: int, length: int, seed: int = 0, vocab: tuple[int, int] = (200, 260)) -> list[list[int]]:

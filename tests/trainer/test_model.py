@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from services.trainer.model import Drafter, DrafterConfig, KVCache, ttt_attention_flex, ttt_attention_math
+from eaglet.services.trainer.model import Drafter, DrafterConfig, KVCache, ttt_attention_flex, ttt_attention_math
 
 
 def tiny_drafter(seed: int = 0) -> Drafter:

@@ -4,12 +4,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.trainer import evaluate
-from services.trainer.model import Drafter, DrafterConfig
-from services.trainer.speculative import greedy_generate, speculative_generate
-from services.trainer.train import Dist, TrainConfig, train
-from shared.keys import RunKeys
-from shared.target import eagle3_layer_ids
+from eaglet.services.trainer import evaluate
+from eaglet.services.trainer.model import Drafter, DrafterConfig
+from eaglet.services.trainer.speculative import greedy_generate, speculative_generate
+from eaglet.services.trainer.train import Dist, TrainConfig, train
+from eaglet.shared.keys import RunKeys
+from eaglet.shared.target import eagle3_layer_ids
 from tests.trainer.fixtures import make_run
 
 

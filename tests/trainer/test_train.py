@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from services.trainer import main as trainer_main
-from services.trainer.checkpoint import list_states
-from services.trainer.train import Dist, TrainConfig, train
-from shared.keys import RunKeys
-from shared.runstate import RunState, Stage
-from shared.status import StatusConfig, read_run
-from shared.store import checkpoints_dir, drafter_dir
+from eaglet.services.trainer import main as trainer_main
+from eaglet.services.trainer.checkpoint import list_states
+from eaglet.services.trainer.train import Dist, TrainConfig, train
+from eaglet.shared.keys import RunKeys
+from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared.status import StatusConfig, read_run
+from eaglet.shared.store import checkpoints_dir, drafter_dir
 from tests.trainer.fixtures import make_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def test_resume_after_kill_continues_the_same_curve(redis, tmp_path, tiny_model_
     args = ["--run", "kill", "--model", str(tiny_model_dir), "--workers", "0", "--draft-vocab-size", "512",
             "--max-tokens", "100", "--ttt-steps", "3", "--lr", "3e-3", "--warmup-ratio", "0.1",
             "--heldout-fraction", "0.1", "--epochs", "40", "--checkpoint-every", "7"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "services.trainer.main", *args], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "eaglet.services.trainer.main", *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     folder = checkpoints_dir(tmp_path, "kill")
     deadline = time.time() + 120

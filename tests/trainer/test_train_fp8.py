@@ -4,10 +4,10 @@ import json
 
 import torch
 
-from services.trainer import data
-from services.trainer.train import Dist, train
-from shared.samples import SampleSet
-from shared.store import checkpoints_dir, read_metadata, sample_path, samples_dir
+from eaglet.services.trainer import data
+from eaglet.services.trainer.train import Dist, train
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.store import checkpoints_dir, read_metadata, sample_path, samples_dir
 from tests.trainer.fixtures import make_run
 from tests.trainer.test_train import small
 

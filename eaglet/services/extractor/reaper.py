@@ -1,0 +1,228 @@
+"""Jobs whose worker died: queued again, or given up once the sample has killed its worker too often.
+
+A ``SimpleWorker`` killed with SIGKILL leaves its job in RQ's StartedJobRegistry until the job's timeout
+plus a minute has passed (an hour with ours); only then does RQ call it abandoned, run the failure
+callback and move it to the FailedJobRegistry. That is far too long to leave a sample, and the callback
+would record it as failed. So live workers sweep the registries of active runs themselves, judging a
+job's worker by eaglet's own heartbeats: the job's RQ worker name carries the process's instance id
+(``<name>:<instance>:<n>``), and a worker whose heartbeat is stale, missing, or from another instance
+(restarted under the same name) is dead. The sweeper that removes the registry entry (an atomic ZREM)
+owns the job: it clears the sample's in-flight entry and its partial file, then queues it again, unless
+the sample's worker has died ``max_lost`` times, in which case the sample is recorded as failed.
+
+A worker that listens to several queues takes a job with LPOP, and puts it in the started registry only
+a moment later: killed in between, the job is in no queue and no registry, and RQ never sees it again.
+Those are found when a run has nothing queued, started or in flight for ``lost_after_s`` yet samples
+without an outcome: the done and failed bitmaps are read once (total/8 bytes) and the missing samples
+queued again.
+
+Samples that RQ found abandoned first (a worker that is not eaglet's, or no sweeper for an hour) are
+noted by the failure callback in ``RunKeys.abandoned`` and queued again from the FailedJobRegistry here.
+"""
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from redis import Redis
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.job import Job
+from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.utils import parse_composite_key
+
+from eaglet.shared import keys
+from eaglet.shared.jobqueue import INGEST_JOB, cancel, enqueue_ingest, enqueue_samples, job_id, run_queue
+from eaglet.shared.keys import CONTROL_QUEUE, RunKeys, queue_name
+from eaglet.shared.runstate import RunState, Stage
+
+log = logging.getLogger(__name__)
+
+
+def rq_worker_name(name: str, instance: str, n: int) -> str:
+    """The name of the n-th RQ worker of this process: the reaper reads the owner back from it."""
+    return f"{name}:{instance}:{n}"
+
+
+def owner_of(rq_name: str) -> tuple[str, str] | None:
+    """(worker name, instance) of an RQ worker name made by ``rq_worker_name``; None for other workers."""
+    parts = rq_name.rsplit(":", 2)
+    if len(parts) != 3 or not parts[2].isdigit():
+        return None
+    return parts[0], parts[1]
+
+
+@dataclass
+class Reaper:
+    """Sweeps with the worker's two connections: ``redis`` (text, run state) and ``rq_redis`` (RQ's bytes)."""
+
+    redis: Redis
+    rq_redis: Redis
+    instance: str  # this process: its own jobs are alive whatever its heartbeat says
+    lost_after_s: float
+    max_lost: int
+    sample_id_of: Callable[[str, int], str]  # (run, index) -> sample id, for the failure record
+    partial_of: Callable[[str, int, str], None]  # (run, index, instance): removes that instance's temp file
+    _idle_since: dict[str, float] = field(default_factory=dict)  # run -> when it was first seen with nothing running
+
+    def sweep(self, run_ids: list[str]) -> dict[str, int]:
+        """One pass over the runs' started jobs; returns how many were queued again and failed."""
+        outcome = {"requeued": 0, "failed": 0}
+        beats = {name: json.loads(raw) for name, raw in self.redis.hgetall(keys.WORKERS).items()}
+        now = time.time()
+        outcome["ingests_resumed"] = self._resume_dead_ingests(beats, now)
+        for run_id in run_ids:
+            registry = StartedJobRegistry(queue_name(run_id), connection=self.rq_redis)
+            for entry in self.rq_redis.zrange(registry.key, 0, -1):
+                what = self._check(run_id, registry, entry.decode(), beats, now)
+                if what in outcome:
+                    outcome[what] += 1
+            for what in self._requeue_rq_abandoned(run_id):
+                outcome[what] += 1
+            for what in self._requeue_lost(run_id, registry):
+                outcome[what] += 1
+        return outcome
+
+    def _resume_dead_ingests(self, beats: dict, now: float) -> int:
+        """Ingest jobs whose worker died: queued again, and the ingest is taken up from its last flush
+        (eaglet/services/ingest/jobs.py ``resume_run``). After ``max_lost`` deaths the run ends failed, saying why."""
+        registry = StartedJobRegistry(CONTROL_QUEUE, connection=self.rq_redis)
+        found = 0
+        for entry in self.rq_redis.zrange(registry.key, 0, -1):
+            jid, _ = parse_composite_key(entry.decode())
+            try:
+                job = Job.fetch(jid, connection=self.rq_redis)
+            except NoSuchJobError:
+                continue
+            owner = owner_of(job.worker_name or "")
+            if job.func_name != INGEST_JOB or owner is None or self._alive(owner, beats, now):
+                continue
+            if not self.rq_redis.zrem(registry.key, entry):
+                continue  # another worker's sweep got it first
+            found += 1
+            run_id, dataset, options = job.args
+            job.delete()
+            state = RunState(self.redis, run_id)
+            if state.meta().get("total") is not None or state.stage() in (Stage.failed, Stage.cancelled):
+                continue  # it had finished, or the run is over
+            why = f"ingest of {dataset} died with worker {owner[0]}"
+            deaths = self.redis.hincrby(state.keys.meta, "ingest_deaths", 1)
+            if deaths >= self.max_lost:
+                state.fail(f"{why}, {deaths} times: given up; start the run again under a new id")
+                cancel(self.rq_redis, run_id)
+                log.warning("run %s: %s, %d times: run failed", run_id, why, deaths)
+                continue
+            state.record_error(-1, "", f"{why}; taken up again from its last flush", "reaper")
+            enqueue_ingest(self.rq_redis, run_id, dataset, options)
+            log.warning("run %s: %s; queued again", run_id, why)
+        return found
+
+    def _requeue_lost(self, run_id: str, registry: StartedJobRegistry) -> list[str]:
+        k = RunKeys(run_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(k.meta, "total")
+        pipe.hmget(k.counts, "done", "failed")
+        pipe.hlen(k.inflight)
+        pipe.scard(k.abandoned)
+        total, (done, failed), in_flight, abandoned = pipe.execute()
+        busy = run_queue(self.rq_redis, run_id).count or self.rq_redis.zcard(registry.key)
+        if total is None or int(done or 0) + int(failed or 0) >= int(total) or busy or in_flight or abandoned:
+            self._idle_since.pop(run_id, None)
+            return []
+        since = self._idle_since.setdefault(run_id, time.monotonic())
+        if time.monotonic() - since < self.lost_after_s:
+            return []  # a job may be between LPOP and the started registry in a live worker: look again later
+        self._idle_since.pop(run_id, None)
+        scratch = f"{k.done}:or:{time.time_ns()}"
+        pipe = self.rq_redis.pipeline()
+        pipe.bitop("OR", scratch, k.done, k.failed)
+        pipe.get(scratch)
+        pipe.delete(scratch)
+        bitmap = pipe.execute()[1] or b""
+        bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8))[: int(total)]  # Redis bitmaps are big-endian
+        missing = np.flatnonzero(bits == 0).tolist() + list(range(len(bits), int(total)))
+        return [self._abandoned(run_id, int(i), "its job was lost (a worker died as it took it)") for i in missing]
+
+    def _check(self, run_id: str, registry: StartedJobRegistry, entry: str, beats: dict, now: float) -> str:
+        jid, _ = parse_composite_key(entry)
+        try:
+            job = Job.fetch(jid, connection=self.rq_redis)
+        except NoSuchJobError:
+            return "gone"
+        run, index = job.args
+        started = job.started_at.timestamp() if job.started_at else now
+        if now - started > self.lost_after_s and RunState(self.redis, run).has_outcome(int(index)):
+            # Its sample was marked, but RQ could not record the job's end (Redis went away in between): a
+            # stale entry, whoever owns it, that would hold the run's lost-job check below forever.
+            if self.rq_redis.zrem(registry.key, entry):
+                job.delete()
+            return "stale"
+        owner = owner_of(job.worker_name or "")
+        if owner is None or self._alive(owner, beats, now):
+            return "alive"
+        if not self.rq_redis.zrem(registry.key, entry):
+            return "taken"  # another worker's sweep got it first
+        name, instance = owner
+        what = self._abandoned(run, int(index), f"worker {name} died while extracting it", instance)
+        if what != "requeued":
+            job.delete()  # finished or given up: nothing will run it again
+        return what
+
+    def _alive(self, owner: tuple[str, str], beats: dict, now: float) -> bool:
+        name, instance = owner
+        if instance == self.instance:
+            return True
+        beat = beats.get(name)
+        if beat is None or beat.get("instance") != instance or beat.get("state") == "stopped":
+            return False
+        return now - float(beat.get("ts") or 0) <= self.lost_after_s
+
+    def _abandoned(self, run_id: str, index: int, why: str, instance: str = "") -> str:
+        state = RunState(self.redis, run_id)
+        state.end_attempt(index)
+        if instance:
+            self.partial_of(run_id, index, instance)
+        if state.has_outcome(index):
+            return "finished"  # killed after its mark, before RQ recorded the job's end
+        sample_id = self.sample_id_of(run_id, index)
+        lost = state.record_lost(index)
+        if lost >= self.max_lost:
+            state.mark_failed(index, sample_id, f"{why}, {lost} times: given up", "reaper")
+            log.warning("run %s sample %d: %s, %d times: recorded as failed", run_id, index, why, lost)
+            return "failed"
+        state.record_error(index, sample_id, f"{why}; queued again", "reaper")
+        enqueue_samples(self.rq_redis, run_id, [index])
+        log.warning("run %s sample %d: %s; queued again", run_id, index, why)
+        return "requeued"
+
+    def _requeue_rq_abandoned(self, run_id: str) -> list[str]:
+        k = RunKeys(run_id)
+        registry = FailedJobRegistry(queue_name(run_id), connection=self.rq_redis)
+        outcomes = []
+        for raw in self.redis.smembers(k.abandoned):
+            index, jid = int(raw), job_id(run_id, raw)
+            if self.rq_redis.zscore(registry.key, jid) is None:
+                if not self.rq_redis.exists(Job.key_for(jid)):
+                    self.redis.srem(k.abandoned, raw)  # gone for good: nothing to queue
+                continue  # RQ's cleanup has not stored the failure yet: next sweep
+            if not self.redis.srem(k.abandoned, raw):
+                continue  # another worker's sweep got it first
+            state = RunState(self.redis, run_id)
+            if state.has_outcome(index):
+                registry.remove(jid, delete_job=True)
+                continue
+            lost = state.record_lost(index)
+            if lost >= self.max_lost:
+                why = f"its worker died while extracting it (found abandoned by RQ), {lost} times: given up"
+                state.mark_failed(index, self.sample_id_of(run_id, index), why, "reaper")
+                outcomes.append("failed")
+                continue
+            try:
+                registry.requeue(jid)  # RQ's own way out of its failed registry: status and queue reset
+            except (InvalidJobOperation, NoSuchJobError):
+                enqueue_samples(self.rq_redis, run_id, [index])
+            state.record_error(index, self.sample_id_of(run_id, index), "found abandoned by RQ; queued again", "reaper")
+            outcomes.append("requeued")
+        return outcomes

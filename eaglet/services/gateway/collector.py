@@ -1,0 +1,107 @@
+"""Prometheus figures, read from Redis at each scrape through the same code as ``/status``."""
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis import Redis
+
+from eaglet.shared.runstate import Stage
+from eaglet.shared.status import AlertKind, StatusConfig, StatusReport, read_status
+
+ALERT_KINDS: tuple[AlertKind, ...] = ("stalled", "workers_lost", "trainer_lost", "disk", "error_rate")
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"eaglet_{name}", doc, labels=labels)
+
+
+class StatusCollector(Collector):
+    """No state of its own: every scrape reads the newest ``max_runs`` runs, so any replica answers the same."""
+
+    def __init__(
+        self, redis: Redis, config: StatusConfig, max_runs: int, local_disk: Callable[[], tuple[int, int] | None]
+    ):
+        self.redis = redis
+        self.config = config
+        self.max_runs = max_runs
+        self.local_disk = local_disk
+
+    def collect(self) -> Iterator[Metric]:
+        report = read_status(self.redis, config=self.config, limit=self.max_runs, local_disk=self.local_disk())
+        yield from _run_metrics(report)
+        yield from _cluster_metrics(report)
+
+    def describe(self) -> list[Metric]:
+        return []  # don't read Redis at registration
+
+
+def _run_metrics(report: StatusReport) -> Iterator[Metric]:
+    run = ["run"]
+    families = {
+        "done": CounterMetricFamily("eaglet_samples_done", "Samples extracted and stored", labels=run),
+        "failed": CounterMetricFamily("eaglet_samples_failed", "Samples given up", labels=run),
+        "errors": CounterMetricFamily("eaglet_errors", "Errors recorded, transient ones included", labels=run),
+        "retries": CounterMetricFamily("eaglet_retries", "Sample attempts after the first", labels=run),
+        "tokens": CounterMetricFamily("eaglet_tokens_written", "Tokens of stored samples", labels=run),
+        "bytes": CounterMetricFamily("eaglet_bytes_written", "Bytes of stored samples", labels=run),
+        "total": _gauge("samples", "Samples in the run", run),
+        "in_flight": _gauge("samples_in_flight", "Samples being extracted now", run),
+        "sps": _gauge("samples_per_second", "Completions per second over the recent window", run),
+        "tps": _gauge("tokens_per_second", "Tokens per second over the recent window", run),
+        "eta": _gauge("extraction_eta_seconds", "Estimated seconds to the end of extraction", run),
+        "error_rate": _gauge("error_rate", "Failed samples over samples with an outcome", run),
+        "projected": _gauge("projected_bytes", "Projected bytes of the whole run", run),
+        "stage": _gauge("stage", "1 for the run's current stage", ["run", "stage"]),
+        "alert": _gauge("alert", "1 while the alert is raised", ["run", "kind"]),
+        "step": _gauge("train_step", "Trainer step", run),
+        "steps": _gauge("train_total_steps", "Trainer steps in all", run),
+        "loss": _gauge("train_loss", "Trainer loss", run),
+        "acc": _gauge("train_accuracy", "Trainer accuracy", run),
+        "train_tps": _gauge("train_tokens_per_second", "Trainer tokens per second", run),
+        "train_eta": _gauge("train_eta_seconds", "Estimated seconds to the end of training", run),
+    }
+    for r in report.runs:
+        ex, st, tr, label = r.extraction, r.storage, r.training, [r.run_id]
+        values = {
+            "done": ex.done, "failed": ex.failed, "errors": ex.errors, "retries": ex.retries,
+            "tokens": st.tokens_written, "bytes": st.bytes_written, "total": ex.total, "in_flight": ex.in_flight,
+            "sps": ex.samples_per_s, "tps": ex.tokens_per_s, "eta": ex.eta_s, "error_rate": ex.error_rate,
+            "projected": st.projected_total_bytes, "step": tr.step, "steps": tr.total_steps, "loss": tr.loss,
+            "acc": tr.accuracy, "train_tps": tr.tokens_per_s, "train_eta": tr.eta_s,
+        }  # fmt: skip
+        for key, value in values.items():
+            if value is not None:  # an unknown figure is absent, not 0: 0 would read as a real ETA or loss
+                families[key].add_metric(label, value)
+        for stage in Stage:
+            families["stage"].add_metric([r.run_id, stage], float(r.stage == stage))
+        raised = {a.kind for a in r.alerts}
+        for kind in ALERT_KINDS:
+            families["alert"].add_metric([r.run_id, kind], float(kind in raised))
+    return iter(families.values())
+
+
+def _cluster_metrics(report: StatusReport) -> Iterator[Metric]:
+    c = report.cluster
+    beat = _gauge("worker_heartbeat_age_seconds", "Seconds since the worker's heartbeat", ["worker", "state"])
+    lost = _gauge("worker_lost", "1 if the worker's heartbeat is too old", ["worker"])
+    stages = _gauge("worker_stage_seconds", "Mean seconds of each stage of the worker's recent samples",
+                    ["worker", "stage"])  # fmt: skip
+    for w in c.workers:
+        beat.add_metric([w.name, w.state], w.seconds_since_heartbeat)
+        lost.add_metric([w.name], float(w.lost))
+        for stage, seconds in w.stage_seconds.items():
+            stages.add_metric([w.name, stage], seconds)
+    up = _gauge("inference_up", "1 if the inference server answered lately", ["url"])
+    for s in c.inference:
+        up.add_metric([s.url], float(s.healthy))
+    workers = _gauge("workers", "Workers by liveness", ["liveness"])
+    workers.add_metric(["live"], c.workers_live)
+    workers.add_metric(["lost"], c.workers_lost)
+    runs = _gauge("runs", "Runs registered", [])
+    runs.add_metric([], report.runs_total)
+    yield from (beat, lost, stages, up, workers, runs)
+    if c.disk_free is not None:
+        yield GaugeMetricFamily("eaglet_disk_free_bytes", "Free bytes on the data volume", value=c.disk_free)
+    if c.disk_total is not None:
+        yield GaugeMetricFamily("eaglet_disk_total_bytes", "Size of the data volume", value=c.disk_total)

@@ -1,0 +1,65 @@
+"""The gateway's settings: eaglet's ``Settings`` plus what only the gateway reads, all from ``EAGLET_*``."""
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode
+
+from eaglet.shared.config import Settings
+from eaglet.shared.status import StatusConfig
+
+
+class GatewaySettings(Settings):
+    host: str = "127.0.0.1"
+    """Where ``python -m eaglet.services.gateway.main`` listens; 0.0.0.0 in a container."""
+
+    port: int = Field(8000, ge=1, le=65535)
+
+    gateway_workers: int = Field(1, ge=1)
+    """Gateway processes behind the one port: the gateway keeps no state, so they answer alike."""
+
+    dataset_roots: Annotated[list[Path], NoDecode] = [Path("var/datasets")]
+    """``POST /runs`` accepts only datasets under one of these folders (comma-separated in the environment)."""
+
+    read_requires_token: bool = False
+    """Ask for the bearer token on the GET endpoints too (the page, /status, /runs/{id}, /metrics)."""
+
+    status_window_s: float = Field(60.0, gt=0)
+    """Rates and the recent error rate are taken over this many seconds."""
+
+    stall_factor: float = Field(5.0, gt=0)
+    """Stalled: no completion for this many times the usual interval between completions..."""
+
+    stall_min_s: float = Field(60.0, gt=0)
+    """...and never for less than this."""
+
+    lost_heartbeats: float = Field(3.0, gt=0)
+    """A worker is lost when its heartbeat is older than this many heartbeat intervals."""
+
+    error_rate_threshold: float = Field(0.05, ge=0, le=1)
+
+    status_max_runs: int = Field(100, ge=1)
+    """Most runs one /status page or one /metrics scrape reads."""
+
+    @field_validator("dataset_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        return [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
+
+    def status_config(self) -> StatusConfig:
+        return StatusConfig(
+            window_s=self.status_window_s,
+            stall_factor=self.stall_factor,
+            stall_min_s=self.stall_min_s,
+            lost_after_s=self.lost_heartbeats * self.heartbeat_interval_s,
+            error_rate_threshold=self.error_rate_threshold,
+        )
+
+    @model_validator(mode="after")
+    def _check_token(self) -> "GatewaySettings":
+        if self.api_token == "changethis":
+            raise ValueError("EAGLET_API_TOKEN is 'changethis': set a secret of your own (e.g. `openssl rand -hex 32`)")
+        if self.read_requires_token and not self.api_token:
+            raise ValueError("EAGLET_READ_REQUIRES_TOKEN is set but EAGLET_API_TOKEN is empty: set the token too")
+        return self

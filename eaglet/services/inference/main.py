@@ -1,0 +1,57 @@
+"""Entry point of the reference inference server: ``python -m eaglet.services.inference.main``."""
+
+import argparse
+import logging
+
+import uvicorn
+from pydantic_settings import SettingsConfigDict
+
+from eaglet.services.inference.batcher import Batcher
+from eaglet.services.inference.engine import ReferenceEngine
+from eaglet.services.inference.server import create_app
+from eaglet.shared.config import Settings
+from eaglet.shared.target import resolve_model_dir
+
+
+class InferenceSettings(Settings):
+    model_config = SettingsConfigDict(env_prefix="EAGLET_", env_file=".env", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str | None = None
+    """``cuda`` or ``cpu``; the GPU when there is one."""
+    dtype: str | None = None
+    """``bfloat16``, ``float32``...; bf16 on GPU, fp32 on CPU by default."""
+    dump: bool = True
+    """Write dumps for eaglet's requests. Off only to measure the server alone."""
+    max_batch_tokens: int = 16384
+    max_batch_size: int = 64
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--model")
+    parser.add_argument("--no-dump", action="store_true")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in {"port": args.port, "model": args.model}.items() if v is not None}
+    if args.no_dump:
+        overrides["dump"] = False
+    settings = InferenceSettings(**overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = ReferenceEngine(
+        resolve_model_dir(settings.model, settings.model_cache_dir), device=settings.device, dtype=settings.dtype
+    )
+    batcher = Batcher(
+        engine,
+        settings.dump_dir,
+        dump=settings.dump,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_batch_size=settings.max_batch_size,
+    )
+    uvicorn.run(create_app(engine, batcher), host=settings.host, port=settings.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""The inference service's supervisor: runs the server, and hands its GPUs to the trainer when extraction is over.
+
+    python -m eaglet.services.inference.release                      # the reference server
+    python -m eaglet.services.inference.release -- python3 -m eaglet.services.inference.sglang_launch --model-path ...
+
+The server runs as a child process, in a process group of its own. With ``EAGLET_RELEASE_GPUS_WHEN_DONE``
+set, the supervisor watches the runs in Redis: once some run's extraction is complete and waits for the
+GPUs, and no run is being ingested or extracted any more, it stops the server, sets the meta field
+``gpus_released`` (unix s) on each waiting run, and exits 0. The trainer (``--wait-for-gpus``) starts
+then. Exit 0 is the signal to stay down: the container's restart policy is ``on-failure``. A server
+that dies by itself makes the supervisor exit non-zero, so the restart policy brings both back.
+"""
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from pydantic import Field
+from redis import Redis
+from redis.exceptions import RedisError
+
+from eaglet.shared import keys
+from eaglet.shared.config import Settings
+from eaglet.shared.keys import RunKeys
+from eaglet.shared.runstate import RunState, Stage
+
+log = logging.getLogger(__name__)
+
+GPUS_RELEASED = "gpus_released"  # the meta field eaglet.services.trainer.main --wait-for-gpus waits for
+BUSY = {Stage.ingesting, Stage.extracting}
+WAITING = {Stage.extracted, Stage.waiting_for_gpus}
+
+
+class ReleaseSettings(Settings):
+    release_gpus_when_done: bool = False
+    """Stop the server once no run is extracting and a finished extraction waits for the GPUs."""
+
+    release_poll_s: float = Field(5.0, gt=0)
+    """Seconds between looks at the runs."""
+
+    release_stop_timeout_s: float = Field(60.0, gt=0)
+    """How long the server gets to exit after SIGTERM, before SIGKILL."""
+
+
+def runs_to_release(redis: Redis) -> list[str]:
+    """The runs whose extraction is complete and that wait for the GPUs; none while any run still extracts."""
+    waiting = []
+    for run_id in redis.zrange(keys.RUNS, 0, -1):
+        meta = RunKeys(run_id).meta
+        stage, complete, released = redis.hmget(meta, "stage", "extraction_complete", GPUS_RELEASED)
+        if stage is None or stage in BUSY:  # no stage yet: the gateway queued its ingest, which will need us
+            return []
+        if stage in WAITING and complete is not None and released is None:
+            waiting.append(run_id)
+    return waiting
+
+
+def release(redis: Redis, run_ids: list[str], now: float) -> None:
+    for run_id in run_ids:
+        RunState(redis, run_id).set_meta(**{GPUS_RELEASED: now})
+        log.info("run %s: GPUs released for training", run_id)
+
+
+def stop(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM to the server's whole process group (SGLang runs its schedulers as children), then SIGKILL."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("server pid %d: no exit %.0fs after SIGTERM; killing it", proc.pid, timeout)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+def supervise(proc: subprocess.Popen, redis: Redis | None, settings: ReleaseSettings, stopping: threading.Event) -> int:
+    while True:
+        if stopping.wait(settings.release_poll_s):
+            return stop(proc, settings.release_stop_timeout_s)  # docker stop: the server's exit code is ours
+        if proc.poll() is not None:
+            log.error("server pid %d exited by itself with %s", proc.pid, proc.returncode)
+            return proc.returncode or 1  # never 0: the restart policy must bring it back
+        if redis is None:
+            continue
+        try:
+            run_ids = runs_to_release(redis)
+        except RedisError:  # Redis restarting: the server keeps serving; look again next time
+            log.warning("could not read the runs from Redis; trying again", exc_info=True)
+            continue
+        if run_ids:
+            log.info("extraction is over (%s waiting): stopping the server to free its GPUs", ", ".join(run_ids))
+            stop(proc, settings.release_stop_timeout_s)
+            release(redis, run_ids, time.time())
+            return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the server command, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = command or [sys.executable, "-m", "eaglet.services.inference.main"]
+    settings = ReleaseSettings()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redis = Redis.from_url(settings.redis_url, decode_responses=True) if settings.release_gpus_when_done else None
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    proc = subprocess.Popen(command, start_new_session=True)
+    log.info("server pid %d: %s (GPU release %s)", proc.pid, " ".join(command), "on" if redis else "off")
+    return supervise(proc, redis, settings, stopping)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

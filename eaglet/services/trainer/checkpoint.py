@@ -1,0 +1,223 @@
+"""Files the trainer reads and writes: the target's embedding and LM head, the drafter that SGLang and vLLM
+load, and the trainer state that a resumed run continues from.
+
+Drafter (``<run>/drafter/``), read by SGLang's ``LlamaForCausalLMEagle3`` (``models/llama_eagle3.py``) and
+vLLM's ``Eagle3LlamaForCausalLM`` (``model_executor/models/llama_eagle3.py``)::
+
+    fc.weight                                    [H, 3 * H_target]
+    midlayer.hidden_norm.weight                  [H]       (both engines rename midlayer. -> layers.0.)
+    midlayer.input_layernorm.weight              [H]
+    midlayer.self_attn.{q,k,v}_proj.weight       [heads * d | kv_heads * d, 2H]
+    midlayer.self_attn.o_proj.weight             [H, heads * d]
+    midlayer.post_attention_layernorm.weight     [H]
+    midlayer.mlp.{gate,up}_proj.weight           [I, H];  midlayer.mlp.down_proj.weight [H, I]
+    norm.weight                                  [H]
+    lm_head.weight                               [Vd, H]
+    d2t                                          int64 [Vd]  target_id - draft_id
+    t2d                                          bool [V]    (both engines skip it)
+
+No ``embed_tokens``: both engines use the target's when the draft has none (and hidden sizes match).
+
+Auxiliary layer ids: the stored states are the inputs of target layers ``aux_layer_ids`` (e.g. [2, 15, 27]
+for 30 layers). SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` and captures the input of
+layer id + 1, so it gets ``[i - 1 for i in aux_layer_ids]`` ([1, 14, 26]). vLLM reads the top-level
+``eagle_aux_hidden_state_layer_ids`` first, where id i is the input of layer i (id 0: the embeddings), so it
+gets ``aux_layer_ids`` unchanged. Each engine finds its own convention in the one config.
+"""
+
+import json
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eaglet.services.trainer.model import Drafter, DrafterConfig
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    """A target checkpoint lacks a tensor the drafter needs, or a trainer checkpoint does not fit this run."""
+
+
+# ---- the target's tensors -----------------------------------------------------------------------------------
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the index if sharded; only headers are read."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / f for name, f in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no safetensors files; the target must be a safetensors checkpoint")
+    names = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            names.update({k: f for k in st.keys()})
+    return names
+
+
+def _find(names: dict[str, Path], suffix: str) -> str | None:
+    """The one tensor whose name ends with ``suffix`` (``model.`` or ``language_model.model.`` prefixes vary)."""
+    hits = sorted(n for n in names if n == suffix or n.endswith("." + suffix))
+    return hits[0] if hits else None
+
+
+def load_target_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The target's ``embed`` [V, H], ``lm_head`` [V, H] (the embedding itself when tied) and final ``norm`` [H],
+    read alone from its safetensors files: a 70B target costs two matrices of memory, not the model."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    names = _tensor_files(model_dir)
+    wanted = {"embed": _find(names, "embed_tokens.weight"), "norm": _find(names, "norm.weight")}
+    head = _find(names, "lm_head.weight")
+    tied = text_config.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    if head is None and not tied:
+        raise CheckpointError(f"{model_dir}: no lm_head.weight and tie_word_embeddings is false")
+    wanted["lm_head"] = head if head is not None else wanted["embed"]
+    # model.norm.weight, not a layer's norm: prefer the shortest name ending in "norm.weight" under the model
+    norms = [n for n in names if n.endswith("model.norm.weight") or n == "norm.weight"]
+    wanted["norm"] = min(norms, key=len) if norms else None
+    missing = [k for k, v in wanted.items() if v is None]
+    if missing:
+        raise CheckpointError(f"{model_dir}: tensors for {missing} not found in the safetensors files")
+    out = {}
+    for key, name in wanted.items():
+        with safe_open(str(names[name]), framework="pt") as st:
+            out[key] = st.get_tensor(name)
+    return out
+
+
+# ---- the drafter as the engines load it ---------------------------------------------------------------------
+
+
+def drafter_hf_config(cfg: DrafterConfig, target_config: dict, aux_layer_ids: list[int], dtype: torch.dtype) -> dict:
+    """config.json of the drafter. ``aux_layer_ids``: the captured layer inputs (see the module docstring)."""
+    text = target_config.get("text_config", target_config)
+    keep = ("rope_parameters", "rope_scaling", "rope_theta", "bos_token_id", "eos_token_id", "pad_token_id")
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        **{k: text[k] for k in keep if k in text},
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,  # SGLang would otherwise use the embedding as the LM head
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),  # vLLM: input of layer i
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux_layer_ids],  # SGLang adds 1
+            "use_aux_hidden_state": True,
+        },
+        "eaglet": {"aux_layer_ids_captured": list(aux_layer_ids), "drafter_config": cfg.to_dict()},
+    }
+
+
+def drafter_tensors(model: Drafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    out = {k: v.to(dtype).contiguous() for k, v in state.items() if v.is_floating_point()}
+    out["d2t"] = state["d2t"].long().contiguous()
+    out["t2d"] = state["t2d"].bool().contiguous()
+    return out
+
+
+def save_drafter(
+    out_dir: Path, model: Drafter, target_config: dict, aux_layer_ids: list[int], dtype: torch.dtype
+) -> Path:
+    """Writes config.json + model.safetensors into ``out_dir`` (replaced whole, through a temp folder)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(drafter_tensors(model, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = drafter_hf_config(model.cfg, target_config, aux_layer_ids, dtype)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    old = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.old")
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    if old.exists():
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    return out_dir
+
+
+def load_drafter(drafter_dir: Path, embed: torch.Tensor, inv_freq: torch.Tensor | None = None) -> Drafter:
+    """Rebuilds a drafter from its own config.json and weights (never from flags)."""
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    cfg = DrafterConfig(**config["eaglet"]["drafter_config"])
+    model = Drafter(cfg, embed, inv_freq)
+    with safe_open(str(Path(drafter_dir) / "model.safetensors"), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()})
+    return model
+
+
+# ---- trainer state, for resume ------------------------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_state(folder: Path, step: int, state: dict, keep: int) -> Path:
+    """``step_<n>.pt`` written as temp then rename (a file that exists is whole); older ones beyond ``keep`` go."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{CHECKPOINT_PREFIX}{step:08d}.pt"
+    tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    for old in list_states(folder)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def list_states(folder: Path) -> list[Path]:
+    """Trainer checkpoints, oldest first (a handful of files: listing this folder is cheap)."""
+    if not Path(folder).is_dir():
+        return []
+    return sorted(p for p in Path(folder).glob(f"{CHECKPOINT_PREFIX}*.pt"))
+
+
+def load_latest_state(folder: Path) -> dict | None:
+    states = list_states(folder)
+    if not states:
+        return None
+    log.info("resuming from %s", states[-1])
+    # weights_only=False: the state holds Python RNG tuples and numpy arrays that we wrote ourselves
+    return torch.load(states[-1], map_location="cpu", weights_only=False)

@@ -1,0 +1,198 @@
+"""``eaglet eval``: speculative decoding with the target and the run's drafter on held-out prompts.
+
+    python -m eaglet.services.trainer.evaluate --run RUN --prompts prompts-eval.jsonl [--k 4] [--max-new-tokens 128]
+
+Reports mean acceptance length, acceptance rate per draft position and wall-clock speed-up over greedy decoding
+with the target alone, and checks that both outputs are identical. Results go to the Redis hash
+``RunKeys(run).eval``: state, prompts, k, max_new_tokens, accept_length, accept_rate (JSON list), rounds,
+new_tokens, target_s, spec_s, speedup, target_tok_s, spec_tok_s, mismatches, started_at, updated_at, finished_at.
+
+Prompt lines: ``{"messages": [...]}`` (OpenAI), ``{"conversations": [{"from", "value"}]}`` (ShareGPT) or
+``{"prompt": "..."}``. The conversation up to the first assistant turn is rendered with the target's chat
+template and ``add_generation_prompt``.
+"""
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from redis import Redis
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eaglet.services.trainer.checkpoint import load_drafter
+from eaglet.services.trainer.speculative import SpecStats, greedy_generate, speculative_generate
+from eaglet.services.trainer.train import target_inv_freq
+from eaglet.shared.config import Settings
+from eaglet.shared.keys import RunKeys
+from eaglet.shared.runstate import RunState
+from eaglet.shared.store import drafter_dir
+from eaglet.shared.target import model_config, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def prompt_messages(record: dict) -> list[dict]:
+    """The conversation up to (not including) the first assistant turn."""
+    if "prompt" in record:
+        return [{"role": "user", "content": record["prompt"]}]
+    turns = record.get("messages")
+    if turns is None:
+        turns = [{"role": t["from"], "content": t["value"]} for t in record.get("conversations", [])]
+    out = []
+    for t in turns:
+        role = ROLES.get(t["role"], t["role"])
+        if role == "assistant":
+            break
+        out.append({"role": role, "content": t["content"]})
+    if not out:
+        raise ValueError("no turn before the first assistant turn")
+    return out
+
+
+def load_prompts(path: Path, tokenizer, limit: int = 0) -> list[list[int]]:
+    prompts = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            messages = prompt_messages(json.loads(line))
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("%s:%d: skipped: %s", path, n, e)
+            continue
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompts.append(list(ids))
+        if limit and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def eos_set(tokenizer, target) -> set[int]:
+    eos = target.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def run_eval(
+    target,
+    drafter,
+    tokenizer,
+    prompts: list[list[int]],
+    *,
+    k: int,
+    max_new_tokens: int,
+    layer_ids: list[int],
+    report=None,
+) -> dict:
+    """Greedy and speculative decoding on every prompt; returns the figures (and reports them as it goes)."""
+    device = next(target.parameters()).device
+    eos = eos_set(tokenizer, target)
+    total = SpecStats(k)
+    target_s = spec_s = 0.0
+    new_tokens = mismatches = 0
+    for i, ids in enumerate(prompts):
+        x = torch.tensor([ids], device=device)
+        t0 = time.perf_counter()
+        ref = greedy_generate(target, x, max_new_tokens, eos)
+        t1 = time.perf_counter()
+        got, stats = speculative_generate(target, drafter, x, max_new_tokens, k, layer_ids, eos)
+        t2 = time.perf_counter()
+        target_s, spec_s = target_s + t1 - t0, spec_s + t2 - t1
+        new_tokens += len(ref)
+        total.accepted += stats.accepted
+        total.rounds += stats.rounds
+        if got != ref:
+            mismatches += 1
+            log.error("prompt %d: speculative output differs from greedy output", i)
+        figures = {
+            "prompts_done": i + 1, "accept_length": round(total.accept_length(), 4),
+            "accept_rate": [round(r, 4) for r in total.position_rates()], "rounds": total.rounds,
+            "new_tokens": new_tokens, "target_s": round(target_s, 3), "spec_s": round(spec_s, 3),
+            "speedup": round(target_s / max(spec_s, 1e-9), 4),
+            "target_tok_s": round(new_tokens / max(target_s, 1e-9), 2),
+            "spec_tok_s": round(new_tokens / max(spec_s, 1e-9), 2), "mismatches": mismatches,
+        }  # fmt: skip
+        if report is not None:
+            report(figures)
+    return figures
+
+
+def evaluate_run(
+    *, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, prompts: Path, k: int = 4,
+    max_new_tokens: int = 128, num_prompts: int = 0, drafter_path: Path | None = None,
+) -> dict:  # fmt: skip
+    """Loads the target and the run's drafter, evaluates, writes ``RunKeys(run).eval``; returns the figures."""
+    gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    folder = Path(drafter_path or drafter_dir(data_dir, run_id))
+    config = json.loads((folder / "config.json").read_text())
+    layer_ids = config["eagle_aux_hidden_state_layer_ids"]  # input of layer i = transformers' hidden_states[i]
+    text = model_config(target_dir)
+    text = text.get("text_config", text)
+    embed = target.get_input_embeddings().weight.detach()
+    drafter = load_drafter(folder, embed.float(), target_inv_freq(text, config["head_dim"])).to(device, dtype).eval()
+    ids = load_prompts(prompts, tokenizer, num_prompts)
+    key = RunKeys(run_id).eval
+    started = time.time()
+
+    def report(fields: dict) -> None:
+        if redis is not None:
+            enc = {k: json.dumps(v) if isinstance(v, list) else v for k, v in fields.items()}
+            redis.hset(key, mapping={**enc, "updated_at": time.time()})
+
+    if redis is not None:
+        redis.delete(key)
+        report(
+            {"state": "running", "prompts": len(ids), "k": k, "max_new_tokens": max_new_tokens, "started_at": started}
+        )
+    log.info("run %s: evaluating %d prompts, k=%d, up to %d new tokens", run_id, len(ids), k, max_new_tokens)
+    figures = run_eval(
+        target, drafter, tokenizer, ids, k=k, max_new_tokens=max_new_tokens, layer_ids=layer_ids, report=report
+    )
+    report({"state": "done", "finished_at": time.time()})
+    log.info(
+        "run %s: acceptance length %.3f, per position %s, speed-up %.2fx, mismatches %d",
+        run_id, figures["accept_length"], figures["accept_rate"], figures["speedup"], figures["mismatches"],
+    )  # fmt: skip
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="eaglet eval", description="Acceptance length of a run's drafter.")
+    p.add_argument("--run", required=True)
+    p.add_argument("--prompts", type=Path, required=True, help="JSONL of held-out prompts")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round (chain)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=0, help="0: all")
+    p.add_argument("--model", help="target model directory (default: the run's model_dir, else EAGLET_MODEL)")
+    p.add_argument("--drafter", type=Path, help="drafter directory (default: the run's)")
+    args = p.parse_args(argv)
+    if args.k < 1 or args.max_new_tokens < 1:
+        p.error("--k and --max-new-tokens must be at least 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    model = args.model or RunState(redis, args.run).meta().get("model_dir") or settings.model
+    try:
+        figures = evaluate_run(
+            redis=redis, run_id=args.run, data_dir=settings.data_dir,
+            target_dir=resolve_model_dir(model, settings.model_cache_dir), prompts=args.prompts, k=args.k,
+            max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts, drafter_path=args.drafter,
+        )  # fmt: skip
+    except Exception as e:
+        log.error("run %s: evaluation failed", args.run, exc_info=True)
+        redis.hset(RunKeys(args.run).eval, mapping={"state": "failed", "error": f"{type(e).__name__}: {e}"})
+        return 1
+    return 0 if figures["mismatches"] == 0 else 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""The dump an inference server writes for one request: ``<dump_dir>/<rid>.safetensors``.
+
+Both servers (the reference server and the SGLang plugin) write it with ``write_dump``; the extractor
+reads it with ``read_dump`` and checks it with ``validate_dump``. A dump exists only when complete: it
+is written under a temporary name and renamed.
+
+Tensors: ``hidden_states`` [T, H] (final layer, after the final norm: what the LM head reads) and
+``aux_hidden_states`` [T, 3H] (the residual stream entering each EAGLE-3 layer, concatenated in layer
+order), both in the model dtype. Metadata: ``rid``, ``num_tokens``, ``aux_layer_ids`` (SGLang's
+convention: the index of the layer whose input was captured), ``model``, ``dtype``.
+"""
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eaglet.shared.ids import check_rid
+from eaglet.shared.tensorfile import FileSlice, TensorFileError, map_tensors, read_header, row_blocks
+
+SUFFIX = ".safetensors"
+FINITE_CHECK_BYTES = 8 << 20  # of float32: 4 MB of a bf16 dump a block
+
+
+class DumpInvalid(ValueError):
+    """A dump that must not be stored: partial, unreadable, wrong shape, dtype or token count, not finite."""
+
+
+@dataclass
+class Dump:
+    hidden_states: torch.Tensor  # [T, H]
+    aux_hidden_states: torch.Tensor  # [T, 3H]
+    metadata: dict[str, str]
+    slices: dict[str, FileSlice] = field(default_factory=dict)
+    """Where the two tensors lie in the dump file: a store that keeps them as they are copies these."""
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return json.loads(self.metadata["aux_layer_ids"])
+
+
+def dump_path(dump_dir: Path, rid: str) -> Path:
+    return Path(dump_dir) / f"{check_rid(rid)}{SUFFIX}"
+
+
+def write_dump(
+    dump_dir: Path,
+    rid: str,
+    hidden_states: torch.Tensor,
+    aux_hidden_states: torch.Tensor,
+    *,
+    aux_layer_ids: list[int],
+    model: str,
+) -> Path:
+    """Writes one request's dump atomically and returns its path. No fsync: the dump dir is shared memory."""
+    final = dump_path(dump_dir, rid)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    metadata = {
+        "rid": rid,
+        "num_tokens": str(hidden_states.shape[0]),
+        "aux_layer_ids": json.dumps(list(aux_layer_ids)),
+        "model": model,
+        "dtype": str(hidden_states.dtype).removeprefix("torch."),
+    }
+    tensors = {
+        "hidden_states": hidden_states.contiguous(),
+        "aux_hidden_states": aux_hidden_states.contiguous(),
+    }
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o644)  # the reader may be another user (the extractor's container)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
+def read_dump(path: Path) -> Dump:
+    """Maps a dump into memory (nothing is read until used); any unreadable file raises ``DumpInvalid``."""
+    try:
+        header = read_header(path)
+        tensors = map_tensors(header)
+        slices = {k: header.slices[k] for k in ("hidden_states", "aux_hidden_states")}
+        return Dump(tensors["hidden_states"], tensors["aux_hidden_states"], header.metadata, slices)
+    except (TensorFileError, KeyError, ValueError, OSError) as e:
+        raise DumpInvalid(f"dump {path.name}: unreadable ({type(e).__name__}: {e})") from e
+
+
+def validate_dump(dump: Dump, *, rid: str, num_tokens: int, hidden_size: int, num_aux: int = 3) -> None:
+    """Raises ``DumpInvalid`` with the reason unless the dump is this request's, whole and finite."""
+    where = f"dump {rid}"
+    got_rid = dump.metadata.get("rid")
+    if got_rid != rid:
+        raise DumpInvalid(f"{where}: metadata rid is {got_rid!r}")
+    h, aux = dump.hidden_states, dump.aux_hidden_states
+    if tuple(h.shape) != (num_tokens, hidden_size):
+        raise DumpInvalid(f"{where}: hidden_states shape {tuple(h.shape)}, expected ({num_tokens}, {hidden_size})")
+    if tuple(aux.shape) != (num_tokens, num_aux * hidden_size):
+        raise DumpInvalid(
+            f"{where}: aux_hidden_states shape {tuple(aux.shape)}, expected ({num_tokens}, {num_aux * hidden_size})"
+        )
+    if h.dtype != aux.dtype or not h.dtype.is_floating_point:
+        raise DumpInvalid(f"{where}: dtypes {h.dtype} / {aux.dtype}, expected one floating dtype")
+    if dump.metadata.get("num_tokens") != str(num_tokens):
+        raise DumpInvalid(f"{where}: metadata num_tokens {dump.metadata.get('num_tokens')!r}, expected {num_tokens}")
+    for name, t in (("hidden_states", h), ("aux_hidden_states", aux)):
+        for rows in row_blocks(t, FINITE_CHECK_BYTES):
+            block = t[rows]
+            # A sum is finite only if every term is: one fast pass. Only a block whose sum is not (a NaN or Inf,
+            # or finite values summing past the float32 range) is checked value by value.
+            if torch.isfinite(block.sum(dtype=torch.float32)):
+                continue
+            finite = torch.isfinite(block).all(dim=-1)
+            if not bool(finite.all()):
+                bad = rows.start + int((~finite).nonzero()[0, 0])
+                raise DumpInvalid(f"{where}: {name} has NaN/Inf (first at token {bad})")

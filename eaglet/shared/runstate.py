@@ -1,0 +1,248 @@
+"""Run state in Redis: the one source of truth for progress.
+
+Done and failed marks are bits by sample index, so a retried or duplicated job never counts twice.
+The mark that gives the last sample its outcome sets ``extraction_complete`` in the same Lua script,
+hence exactly once, and publishes an event. Every read the status needs is O(1) in the samples.
+"""
+
+import json
+import time
+from enum import StrEnum
+
+from redis import Redis
+
+from eaglet.shared import keys
+from eaglet.shared.keys import RunKeys
+
+RECENT_CAP = 2000
+ERRORS_CAP = 100
+
+
+class Stage(StrEnum):
+    ingesting = "ingesting"
+    extracting = "extracting"
+    extracted = "extracted"  # every sample has an outcome; the trainer has not started yet
+    waiting_for_gpus = "waiting_for_gpus"
+    training = "training"
+    evaluating = "evaluating"
+    done = "done"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+# Shared tail of both marks: if every sample now has an outcome, set the flag once and announce it.
+_COMPLETE = """
+local function complete_if_last(meta, counts, now, channel, run_id)
+  local total = tonumber(redis.call('HGET', meta, 'total') or '-1')
+  local n = tonumber(redis.call('HGET', counts, 'done') or '0') + tonumber(redis.call('HGET', counts, 'failed') or '0')
+  if total >= 0 and n >= total and redis.call('HSETNX', meta, 'extraction_complete', now) == 1 then
+    if redis.call('HGET', meta, 'stage') == 'extracting' then redis.call('HSET', meta, 'stage', 'extracted') end
+    redis.call('PUBLISH', channel, cjson.encode({run = run_id, event = 'extraction_complete', ts = tonumber(now)}))
+    return 2
+  end
+  return 1
+end
+"""
+
+# KEYS: meta counts done failed failures recent inflight; ARGV: index tokens bytes now channel run_id cap
+# Returns 0 if already done (nothing counted), 1 if counted, 2 if it completed the run.
+MARK_DONE = (
+    _COMPLETE
+    + """
+redis.call('HDEL', KEYS[7], ARGV[1])
+if redis.call('SETBIT', KEYS[3], ARGV[1], 1) == 1 then return 0 end
+if redis.call('GETBIT', KEYS[4], ARGV[1]) == 1 then
+  redis.call('SETBIT', KEYS[4], ARGV[1], 0)
+  redis.call('HINCRBY', KEYS[2], 'failed', -1)
+  redis.call('HDEL', KEYS[5], ARGV[1])
+end
+redis.call('HINCRBY', KEYS[2], 'done', 1)
+redis.call('HINCRBY', KEYS[2], 'tokens', ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'bytes', ARGV[3])
+redis.call('HSET', KEYS[2], 'last_done_at', ARGV[4])
+redis.call('LPUSH', KEYS[6], ARGV[4] .. ' ' .. ARGV[2] .. ' ' .. ARGV[3])
+redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[7]) - 1)
+return complete_if_last(KEYS[1], KEYS[2], ARGV[4], ARGV[5], ARGV[6])
+"""
+)
+
+# KEYS: meta counts done failed failures inflight; ARGV: index failure_json now channel run_id
+# Returns 0 if the sample already has an outcome, 1 if counted, 2 if it completed the run.
+MARK_FAILED = (
+    _COMPLETE
+    + """
+redis.call('HDEL', KEYS[6], ARGV[1])
+if redis.call('GETBIT', KEYS[3], ARGV[1]) == 1 then return 0 end
+if redis.call('SETBIT', KEYS[4], ARGV[1], 1) == 1 then return 0 end
+redis.call('HSET', KEYS[5], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'failed', 1)
+return complete_if_last(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[5])
+"""
+)
+
+# KEYS: meta counts; ARGV: total total_tokens now channel run_id
+# Ingest queues samples as it reads them, so some may be done before the total is known: check here too.
+SET_TOTAL = (
+    _COMPLETE
+    + """
+redis.call('HSET', KEYS[1], 'total', ARGV[1], 'total_tokens', ARGV[2], 'ingested_at', ARGV[3])
+if redis.call('HGET', KEYS[1], 'stage') == 'ingesting' then redis.call('HSET', KEYS[1], 'stage', 'extracting') end
+return complete_if_last(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[5])
+"""
+)
+
+# KEYS: meta counts failed failures; ARGV: index...
+# Failed samples become pending again, so the run is not complete until they have a new outcome.
+# Refused (returns -1) once the trainer has started: it trains on what was complete.
+REOPEN_FAILED = """
+local stage = redis.call('HGET', KEYS[1], 'stage')
+if stage ~= 'extracting' and stage ~= 'extracted' then return -1 end
+local n = 0
+for _, index in ipairs(ARGV) do
+  if redis.call('SETBIT', KEYS[3], index, 0) == 1 then
+    redis.call('HDEL', KEYS[4], index)
+    n = n + 1
+  end
+end
+if n > 0 then
+  redis.call('HINCRBY', KEYS[2], 'failed', -n)
+  redis.call('HDEL', KEYS[1], 'extraction_complete')
+  redis.call('HSET', KEYS[1], 'stage', 'extracting')
+end
+return n
+"""
+
+
+class RunState:
+    """Writes of one run's state. Takes its Redis connection; never reaches for a global one."""
+
+    def __init__(self, redis: Redis, run_id: str):
+        if not redis.get_connection_kwargs().get("decode_responses"):
+            raise TypeError("RunState needs a Redis client with decode_responses=True (run state is text)")
+        self.redis = redis
+        self.run_id = run_id
+        self.keys = RunKeys(run_id)
+        self._mark_done = redis.register_script(MARK_DONE)
+        self._mark_failed = redis.register_script(MARK_FAILED)
+        self._set_total = redis.register_script(SET_TOTAL)
+        self._reopen_failed = redis.register_script(REOPEN_FAILED)
+
+    def create(self, **meta: str | int | float) -> None:
+        """Registers the run (stage ``ingesting``); ``total`` is set by ``set_total`` once ingest is done."""
+        now = time.time()
+        pipe = self.redis.pipeline()
+        pipe.hset(
+            self.keys.meta,
+            mapping={"run_id": self.run_id, "created_at": now, "stage": Stage.ingesting, **meta},
+        )
+        pipe.hset(self.keys.counts, mapping={"done": 0, "failed": 0, "tokens": 0, "bytes": 0, "retries": 0})
+        pipe.zadd(keys.RUNS, {self.run_id: now})
+        pipe.execute()
+
+    def exists(self) -> bool:
+        return bool(self.redis.exists(self.keys.meta))
+
+    def meta(self) -> dict[str, str]:
+        return self.redis.hgetall(self.keys.meta)
+
+    def set_meta(self, **fields: str | int | float) -> None:
+        self.redis.hset(self.keys.meta, mapping=fields)
+
+    def start_extraction(self) -> None:
+        """The first samples are queued; ingest goes on, so the total is not known yet."""
+        self.set_meta(stage=Stage.extracting, extraction_started_at=time.time())
+
+    def set_total(self, total: int, total_tokens: int) -> int:
+        """Ingest is over: the run is counted against ``total``. Returns 2 if that completed it."""
+        k = self.keys
+        return int(
+            self._set_total(keys=[k.meta, k.counts], args=[total, total_tokens, time.time(), keys.EVENTS, self.run_id])
+        )
+
+    def set_stage(self, stage: Stage) -> None:
+        self.set_meta(stage=stage)
+        self.publish(f"stage:{stage}")
+
+    def fail(self, reason: str) -> None:
+        """Ends the run as failed, with the reason ``/status`` shows."""
+        self.set_meta(error=reason)
+        self.set_stage(Stage.failed)
+
+    def stage(self) -> Stage:
+        return Stage(self.redis.hget(self.keys.meta, "stage") or Stage.ingesting)
+
+    def is_cancelled(self) -> bool:
+        return self.stage() == Stage.cancelled
+
+    def extraction_complete(self) -> bool:
+        return self.redis.hexists(self.keys.meta, "extraction_complete")
+
+    def publish(self, event: str) -> None:
+        self.redis.publish(keys.EVENTS, json.dumps({"run": self.run_id, "event": event, "ts": time.time()}))
+
+    def start_attempt(self, index: int, worker: str, instance: str = "") -> int:
+        """Records the sample as in flight and returns this attempt's number (1, 2, ...)."""
+        pipe = self.redis.pipeline()
+        pipe.hincrby(self.keys.attempts, str(index), 1)
+        record = {"worker": worker, "instance": instance, "started": time.time()}
+        pipe.hset(self.keys.inflight, str(index), json.dumps(record))
+        attempt = pipe.execute()[0]
+        if attempt > 1:
+            self.redis.hincrby(self.keys.counts, "retries", 1)
+        return attempt
+
+    def end_attempt(self, index: int) -> None:
+        self.redis.hdel(self.keys.inflight, str(index))
+
+    def is_done(self, index: int) -> bool:
+        return bool(self.redis.getbit(self.keys.done, index))
+
+    def has_outcome(self, index: int) -> bool:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.getbit(self.keys.done, index)
+        pipe.getbit(self.keys.failed, index)
+        return any(pipe.execute())
+
+    def record_lost(self, index: int) -> int:
+        """The worker extracting ``index`` died; returns how many times that has happened to this sample."""
+        return int(self.redis.hincrby(self.keys.lost, str(index), 1))
+
+    def mark_done(self, index: int, tokens: int, nbytes: int) -> int:
+        k = self.keys
+        return int(
+            self._mark_done(
+                keys=[k.meta, k.counts, k.done, k.failed, k.failures, k.recent, k.inflight],
+                args=[index, tokens, nbytes, time.time(), keys.EVENTS, self.run_id, RECENT_CAP],
+            )
+        )
+
+    def mark_failed(self, index: int, sample_id: str, reason: str, worker: str = "") -> int:
+        k = self.keys
+        failure = json.dumps(
+            {"index": index, "sample_id": sample_id, "reason": reason, "worker": worker, "ts": time.time()}
+        )
+        self.record_error(index, sample_id, reason, worker, final=True)
+        return int(
+            self._mark_failed(
+                keys=[k.meta, k.counts, k.done, k.failed, k.failures, k.inflight],
+                args=[index, failure, time.time(), keys.EVENTS, self.run_id],
+            )
+        )
+
+    def reopen_failed(self, indexes: list[int]) -> int:
+        """Makes failed samples pending again before they are re-queued; returns how many, or -1 if the
+        trainer has started (then the run's extraction stays as it was)."""
+        k = self.keys
+        return int(self._reopen_failed(keys=[k.meta, k.counts, k.failed, k.failures], args=[str(i) for i in indexes]))
+
+    def record_error(self, index: int, sample_id: str, reason: str, worker: str = "", final: bool = False) -> None:
+        """Keeps the newest errors, transient ones included, for ``/status``."""
+        entry = {"index": index, "sample_id": sample_id, "reason": reason, "worker": worker, "final": final}
+        pipe = self.redis.pipeline()
+        pipe.lpush(self.keys.errors, json.dumps({**entry, "ts": time.time()}))
+        pipe.ltrim(self.keys.errors, 0, ERRORS_CAP - 1)
+        pipe.hincrby(self.keys.counts, "errors", 1)
+        pipe.execute()
+
+    def counts(self) -> dict[str, int]:
+        return {k: int(float(v)) for k, v in self.redis.hgetall(self.keys.counts).items()}

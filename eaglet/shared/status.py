@@ -1,0 +1,517 @@
+"""The status figures of every run, computed in one place for the gateway, its metrics and ``eaglet status``.
+
+Every figure comes from what the writers keep (``runstate.py``, ``heartbeats.py``): counters,
+capped lists and small hashes, read in one pipelined round trip. Nothing here scans keys, bitmaps or files,
+so a read costs the same at 1 K samples and at 10 M.
+"""
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from redis import Redis
+
+from eaglet.shared import keys
+from eaglet.shared.keys import RunKeys
+from eaglet.shared.runstate import RECENT_CAP, Stage
+
+ACTIVE = (Stage.ingesting, Stage.extracting)
+TRAINER_STAGES = (Stage.waiting_for_gpus, Stage.training, Stage.evaluating)  # a trainer process beats meanwhile
+RATE_SAMPLES = 256
+"""Newest completions read for the rates: when all of them lie inside the window, the window shrinks to the
+time they span. Reading all RECENT_CAP entries costs ~5 ms of parsing per request for no better figure."""
+AlertKind = Literal["stalled", "workers_lost", "trainer_lost", "disk", "error_rate"]
+
+
+@dataclass(kw_only=True, slots=True)
+class StatusConfig:
+    """Thresholds of the figures and alerts. Built from settings by the entry points."""
+
+    window_s: float = 60.0
+    """Rates (samples/s, tokens/s) and the recent error rate are taken over this many seconds."""
+    stall_factor: float = 5.0
+    """Stalled: no completion for this many times the usual interval between completions..."""
+    stall_min_s: float = 60.0
+    """...and never for less than this (a run of a few slow samples is not stalled)."""
+    lost_after_s: float = 15.0
+    """A worker whose heartbeat is older than this is lost (a few heartbeat intervals)."""
+    error_rate_threshold: float = 0.05
+    """Alert when the share of failed attempts goes above this."""
+    error_rate_min_attempts: int = 10
+    """...once at least this many attempts were made: two errors in the first three samples are noise."""
+    last_errors: int = 10
+    """How many of the newest errors each run shows."""
+
+    def __post_init__(self):
+        for name in ("window_s", "stall_factor", "stall_min_s", "lost_after_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"status config {name}={getattr(self, name)}: must be > 0")
+        if not 0 <= self.error_rate_threshold <= 1:
+            raise ValueError(f"error_rate_threshold={self.error_rate_threshold}: give a share between 0 and 1")
+
+
+class ErrorEntry(BaseModel):
+    index: int = Field(description="Sample index; -1 for an ingest error (a bad line)")
+    sample_id: str = Field(description="Sample id, or file:line for an ingest error")
+    reason: str
+    worker: str = ""
+    final: bool = Field(False, description="True if the sample was given up (recorded as failed)")
+    ts: float
+
+
+class Extraction(BaseModel):
+    total: int | None = Field(description="Samples in the run; null while ingest is still counting them")
+    done: int
+    failed: int
+    in_flight: int
+    remaining: int | None
+    percent: float | None = Field(description="Samples with an outcome (done or failed) over total, in %")
+    samples_per_s: float = Field(description="Completions per second over the recent window")
+    tokens_per_s: float
+    eta_s: float | None = Field(description="Remaining samples over samples_per_s; null when unknown")
+    error_rate: float | None = Field(description="Failed samples over samples with an outcome")
+    recent_error_rate: float | None = Field(description="Errored attempts over all attempts in the recent window")
+    recent_attempts: int = Field(description="Attempts (completions and errors) in the recent window")
+    errors: int = Field(description="Errors recorded so far, transient ones and ingest errors included")
+    retries: int
+    started_at: float | None
+    completed_at: float | None
+    last_done_at: float | None
+    seconds_since_last_done: float | None
+    last_errors: list[ErrorEntry]
+
+
+class Storage(BaseModel):
+    bytes_written: int
+    tokens_written: int
+    bytes_per_token: float | None
+    total_tokens: int | None = Field(description="Tokens of every ingested sample")
+    projected_total_bytes: int | None = Field(description="bytes_per_token x total_tokens")
+    projected_remaining_bytes: int | None = Field(description="What is still to be written")
+    disk_free: int | None = Field(description="Free bytes on the data volume")
+    disk_total: int | None
+
+
+class Training(BaseModel):
+    step: int | None
+    total_steps: int | None
+    percent: float | None
+    loss: float | None
+    accuracy: float | None = Field(description="Top-1 accuracy of the first draft position")
+    accuracy_per_position: list[float] | None = Field(description="One accuracy per training-time-test step")
+    tokens_per_s: float | None
+    eta_s: float | None
+    last_checkpoint: str | None
+    state: str | None = Field(description="The trainer's own state: waiting, training, done, failed")
+    error: str | None
+    seconds_since_update: float | None
+    seconds_since_beat: float | None = Field(description="Age of the trainer process's heartbeat")
+
+
+class Alert(BaseModel):
+    kind: AlertKind
+    message: str
+
+
+class RunStatus(BaseModel):
+    run_id: str
+    stage: Stage
+    created_at: float | None
+    dataset: str | None
+    model: str | None
+    error: str | None = Field(description="Why the run failed, when it did")
+    extraction: Extraction
+    storage: Storage
+    training: Training
+    evaluation: dict[str, float | str] = Field(description="Acceptance length and friends, once evaluated")
+    alerts: list[Alert]
+
+
+class WorkerStatus(BaseModel):
+    name: str
+    state: str
+    host: str
+    pid: int | None
+    inference_url: str
+    run: str
+    sample: str
+    detail: str
+    seconds_since_heartbeat: float
+    lost: bool
+    stage_seconds: dict[str, float] = Field(
+        description="Mean seconds of each stage of its recent samples: prefill (waiting on the inference server), "
+        "dump_wait, check, store. A worker mostly in prefill is waiting on the server; in store, on the disk"
+    )
+
+
+class InferenceStatus(BaseModel):
+    url: str
+    ok: bool
+    healthy: bool = Field(description="ok, and reported within the lost-after interval")
+    detail: str
+    model: str
+    seconds_since_report: float
+
+
+class Cluster(BaseModel):
+    workers: list[WorkerStatus]
+    workers_live: int
+    workers_lost: int
+    inference: list[InferenceStatus]
+    disk_free: int | None
+    disk_total: int | None
+
+
+class StatusReport(BaseModel):
+    generated_at: float
+    runs_total: int
+    offset: int
+    limit: int
+    runs: list[RunStatus] = Field(description="Newest first")
+    cluster: Cluster
+
+
+class RunReport(BaseModel):
+    generated_at: float
+    run: RunStatus
+    cluster: Cluster
+
+
+def read_status(
+    redis: Redis,
+    *,
+    config: StatusConfig,
+    offset: int = 0,
+    limit: int = 20,
+    now: float | None = None,
+    local_disk: tuple[int, int] | None = None,
+) -> StatusReport:
+    """Every run, newest first, ``limit`` of them from ``offset``; two round trips whatever the run sizes."""
+    head = redis.pipeline(transaction=False)
+    head.zrevrange(keys.RUNS, offset, offset + limit - 1)
+    head.zcard(keys.RUNS)
+    run_ids, runs_total = head.execute()
+    pipe = redis.pipeline(transaction=False)
+    _queue_cluster(pipe)
+    for run_id in run_ids:
+        _queue_run(pipe, run_id, config)
+    replies = pipe.execute()
+    now = time.time() if now is None else now
+    cluster = _cluster(replies[0], replies[1], config, now, local_disk)
+    runs = [_run(run_id, replies[2 + i * RUN_REPLIES :], cluster, config, now) for i, run_id in enumerate(run_ids)]
+    return StatusReport(generated_at=now, runs_total=runs_total, offset=offset, limit=limit, runs=runs, cluster=cluster)
+
+
+def read_run(
+    redis: Redis,
+    run_id: str,
+    *,
+    config: StatusConfig,
+    now: float | None = None,
+    local_disk: tuple[int, int] | None = None,
+) -> RunReport | None:
+    """One run's figures, or None if no such run is registered."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.zscore(keys.RUNS, run_id)
+    _queue_cluster(pipe)
+    _queue_run(pipe, run_id, config)
+    replies = pipe.execute()
+    if replies[0] is None and not replies[3]:
+        return None
+    now = time.time() if now is None else now
+    cluster = _cluster(replies[1], replies[2], config, now, local_disk)
+    return RunReport(generated_at=now, run=_run(run_id, replies[3:], cluster, config, now), cluster=cluster)
+
+
+def _queue_cluster(pipe) -> None:
+    pipe.hgetall(keys.WORKERS)
+    pipe.hgetall(keys.INFERENCE)
+
+
+RUN_REPLIES = 7
+
+
+def _queue_run(pipe, run_id: str, config: StatusConfig) -> None:
+    k = RunKeys(run_id)
+    pipe.hgetall(k.meta)
+    pipe.hgetall(k.counts)
+    pipe.hlen(k.inflight)
+    pipe.lrange(k.recent, 0, min(RATE_SAMPLES, RECENT_CAP) - 1)
+    pipe.lrange(k.errors, 0, -1)  # capped by the writer (ERRORS_CAP)
+    pipe.hgetall(k.train)
+    pipe.hgetall(k.eval)
+
+
+def _float(d: dict, key: str) -> float | None:
+    value = d.get(key)
+    if value in (None, ""):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def _int(d: dict, key: str) -> int | None:
+    value = _float(d, key)
+    return None if value is None else int(value)
+
+
+def _cluster(
+    workers: dict, inference: dict, config: StatusConfig, now: float, local_disk: tuple[int, int] | None
+) -> Cluster:
+    rows = []
+    for name, raw in sorted(workers.items()):
+        beat = json.loads(raw)
+        age = max(0.0, now - float(beat.get("ts") or 0))
+        lost = age > config.lost_after_s and beat.get("state") != "stopped"
+        rows.append((beat, age, lost, name))
+    servers = []
+    for url, raw in sorted(inference.items()):
+        health = json.loads(raw)
+        age = max(0.0, now - float(health.get("ts") or 0))
+        ok = bool(health.get("ok"))
+        servers.append(
+            InferenceStatus(
+                url=url,
+                ok=ok,
+                healthy=ok and age <= config.lost_after_s,
+                detail=health.get("detail") or "",
+                model=health.get("model") or "",
+                seconds_since_report=age,
+            )
+        )
+    # The data volume as the freshest live worker sees it; the gateway's own view if no worker reports one.
+    disk = next(((b["disk_free"], b["disk_total"]) for b, _, lost, _ in sorted(rows, key=lambda r: r[1])
+                 if not lost and b.get("disk_free") is not None), local_disk)  # fmt: skip
+    return Cluster(
+        workers=[_worker(name, beat, age, lost) for beat, age, lost, name in rows],
+        workers_live=sum(not lost for _, _, lost, _ in rows),
+        workers_lost=sum(lost for _, _, lost, _ in rows),
+        inference=servers,
+        disk_free=disk[0] if disk else None,
+        disk_total=disk[1] if disk else None,
+    )
+
+
+def _worker(name: str, beat: dict, age: float, lost: bool) -> WorkerStatus:
+    return WorkerStatus(
+        name=name,
+        state=beat.get("state") or "",
+        host=beat.get("host") or "",
+        pid=beat.get("pid"),
+        inference_url=beat.get("inference_url") or "",
+        run=beat.get("run") or "",
+        sample=str(beat.get("sample") or ""),
+        detail=beat.get("detail") or "",
+        seconds_since_heartbeat=age,
+        lost=lost,
+        stage_seconds={str(k): float(v) for k, v in (beat.get("stage_seconds") or {}).items()},
+    )
+
+
+def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now: float) -> RunStatus:
+    meta, counts, in_flight, recent, errors, train, evaluation = replies[:RUN_REPLIES]
+    stage = Stage(meta.get("stage") or Stage.ingesting)
+    completions = _parse_recent(recent)
+    extraction = _extraction(meta, counts, in_flight, completions, errors, config, now)
+    storage = _storage(meta, counts, cluster)
+    run = RunStatus(
+        run_id=run_id,
+        stage=stage,
+        created_at=_float(meta, "created_at"),
+        dataset=meta.get("dataset"),
+        model=meta.get("model"),
+        error=meta.get("error") or None,
+        extraction=extraction,
+        storage=storage,
+        training=_training(train, now),
+        evaluation={
+            k: _float(evaluation, k) if _float(evaluation, k) is not None else v for k, v in evaluation.items()
+        },
+        alerts=[],
+    )
+    run.alerts = _alerts(run, completions, cluster, config, now)
+    return run
+
+
+def _parse_recent(recent: list[str]) -> list[tuple[float, int, int]]:
+    """``"ts tokens bytes"`` per completion, newest first, as the writer pushes them."""
+    out = []
+    for entry in recent:
+        ts, tokens, nbytes = entry.split()
+        out.append((float(ts), int(tokens), int(nbytes)))
+    return out
+
+
+def _extraction(
+    meta: dict,
+    counts: dict,
+    in_flight: int,
+    completions: list[tuple[float, int, int]],
+    errors: list[str],
+    config: StatusConfig,
+    now: float,
+) -> Extraction:
+    total = _int(meta, "total")
+    done, failed = _int(counts, "done") or 0, _int(counts, "failed") or 0
+    remaining = max(0, total - done - failed) if total is not None else None
+    started = _float(meta, "extraction_started_at") or _float(meta, "created_at")
+    cutoff = now - config.window_s
+    in_window = [c for c in completions if c[0] >= cutoff]
+    span = config.window_s if started is None else min(config.window_s, now - started)
+    if len(completions) >= min(RATE_SAMPLES, RECENT_CAP) and len(in_window) == len(completions):
+        span = now - completions[-1][0]  # more completions than we read lie in the window: rate over those read
+    span = max(span, 1e-9)
+    samples_per_s = len(in_window) / span
+    tokens_per_s = sum(c[1] for c in in_window) / span
+    parsed_errors = [json.loads(e) for e in errors]
+    recent_errors = sum(1 for e in parsed_errors if e.get("ts", 0) >= cutoff and e.get("index", -1) >= 0)
+    attempts = recent_errors + len(in_window)
+    last_done = _float(counts, "last_done_at")
+    return Extraction(
+        total=total,
+        done=done,
+        failed=failed,
+        in_flight=in_flight,
+        remaining=remaining,
+        percent=100.0 * (done + failed) / total if total else (100.0 if total == 0 else None),
+        samples_per_s=samples_per_s,
+        tokens_per_s=tokens_per_s,
+        eta_s=remaining / samples_per_s if remaining is not None and samples_per_s > 0 else None,
+        error_rate=failed / (done + failed) if done + failed else None,
+        recent_error_rate=recent_errors / attempts if attempts else None,
+        recent_attempts=attempts,
+        errors=_int(counts, "errors") or 0,
+        retries=_int(counts, "retries") or 0,
+        started_at=_float(meta, "extraction_started_at"),
+        completed_at=_float(meta, "extraction_complete"),
+        last_done_at=last_done,
+        seconds_since_last_done=now - last_done if last_done is not None else None,
+        last_errors=[ErrorEntry(**e) for e in parsed_errors[: config.last_errors]],
+    )
+
+
+def _storage(meta: dict, counts: dict, cluster: Cluster) -> Storage:
+    written, tokens = _int(counts, "bytes") or 0, _int(counts, "tokens") or 0
+    total_tokens = _int(meta, "total_tokens")
+    per_token = written / tokens if tokens else None
+    projected = round(per_token * total_tokens) if per_token is not None and total_tokens is not None else None
+    return Storage(
+        bytes_written=written,
+        tokens_written=tokens,
+        bytes_per_token=per_token,
+        total_tokens=total_tokens,
+        projected_total_bytes=projected,
+        projected_remaining_bytes=max(0, projected - written) if projected is not None else None,
+        disk_free=cluster.disk_free,
+        disk_total=cluster.disk_total,
+    )
+
+
+def _training(train: dict, now: float) -> Training:
+    step, total = _int(train, "step"), _int(train, "total_steps")
+    eta = _float(train, "eta_s")
+    started = _float(train, "started_at")
+    if eta is None and step and total is not None and started is not None:
+        eta = (total - step) * (now - started) / step  # the mean step time so far
+    updated = _float(train, "updated_at")
+    # The trainer writes ``acc`` as a JSON list, one accuracy per unrolled step; ``accuracy`` alone is accepted too.
+    try:
+        per_position = [float(a) for a in json.loads(train["acc"])] if train.get("acc") else None
+    except (ValueError, TypeError):
+        per_position = None
+    accuracy = _float(train, "accuracy")
+    if accuracy is None and per_position:
+        accuracy = per_position[0]
+    return Training(
+        step=step,
+        total_steps=total,
+        percent=100.0 * step / total if step is not None and total else None,
+        loss=_float(train, "loss"),
+        accuracy=accuracy,
+        accuracy_per_position=per_position,
+        tokens_per_s=_float(train, "tokens_per_s"),
+        eta_s=eta,
+        last_checkpoint=train.get("last_checkpoint") or None,
+        state=train.get("state") or None,
+        error=train.get("error") or None,
+        seconds_since_update=now - updated if updated is not None else None,
+        seconds_since_beat=now - beat if (beat := _float(train, "beat_at")) is not None else None,
+    )
+
+
+def _usual_interval(completions: list[tuple[float, int, int]], n: int = 100) -> float | None:
+    """Mean time between the newest ``n`` completions: what "no completion for a while" is judged against."""
+    newest = completions[:n]
+    if len(newest) < 2:
+        return None
+    return (newest[0][0] - newest[-1][0]) / (len(newest) - 1)
+
+
+def _alerts(
+    run: RunStatus, completions: list[tuple[float, int, int]], cluster: Cluster, config: StatusConfig, now: float
+) -> list[Alert]:
+    alerts = []
+    ex = run.extraction
+    extracting = run.stage in ACTIVE and ex.remaining != 0
+    if extracting:
+        usual = _usual_interval(completions)
+        since = ex.last_done_at or ex.started_at or run.created_at or now
+        limit = (
+            max(config.stall_factor * usual, config.stall_min_s) if usual else config.stall_factor * config.stall_min_s
+        )
+        if now - since > limit:
+            hint = "" if ex.total is not None else (
+                f"; its ingest has not finished: if the process running `eaglet ingest` died, "
+                f"`eaglet ingest --run {run.run_id} --resume` takes it up where it last flushed")  # fmt: skip
+            alerts.append(Alert(kind="stalled", message=(
+                f"no sample completed for {now - since:.1f} s (limit {limit:.1f} s){hint}")))  # fmt: skip
+    if run.stage in ACTIVE:
+        lost = [w.name for w in cluster.workers if w.lost and w.run in ("", run.run_id)]
+        if lost:
+            alerts.append(Alert(kind="workers_lost", message=f"{len(lost)} worker(s) lost: {', '.join(lost[:8])}"))
+        elif extracting and cluster.workers_live == 0:
+            alerts.append(Alert(kind="workers_lost", message="no live worker: start extractor workers"))
+    tr = run.training
+    if run.stage in TRAINER_STAGES and (tr.seconds_since_beat is None or tr.seconds_since_beat > config.lost_after_s):
+        age = "no heartbeat" if tr.seconds_since_beat is None else f"heartbeat {tr.seconds_since_beat:.0f} s old"
+        resume = f" (it resumes from {tr.last_checkpoint})" if tr.last_checkpoint else ""
+        alerts.append(Alert(kind="trainer_lost", message=(
+            f"the trainer is {run.stage} but has {age}: it died or hangs; start it again{resume}")))  # fmt: skip
+    st = run.storage
+    if (
+        st.projected_remaining_bytes is not None
+        and st.disk_free is not None
+        and st.projected_remaining_bytes > st.disk_free
+    ):
+        alerts.append(Alert(kind="disk", message=(
+            f"projected {st.projected_total_bytes / 1e9:.1f} GB in all, {st.projected_remaining_bytes / 1e9:.1f} GB "
+            f"still to write, but only {st.disk_free / 1e9:.1f} GB free")))  # fmt: skip
+    rate = _alert_error_rate(ex, config)
+    if rate is not None:
+        alerts.append(
+            Alert(kind="error_rate", message=f"error rate {rate:.1%} above {config.error_rate_threshold:.1%}")
+        )
+    return alerts
+
+
+def _alert_error_rate(ex: Extraction, config: StatusConfig) -> float | None:
+    """The overall or the recent error rate when it is above the threshold over enough attempts, else None."""
+    overall = ex.error_rate if ex.done + ex.failed >= config.error_rate_min_attempts else None
+    recent = ex.recent_error_rate if ex.recent_attempts >= config.error_rate_min_attempts else None
+    above = [r for r in (recent, overall) if r is not None and r > config.error_rate_threshold]
+    return above[0] if above else None
+
+
+def disk_usage(path: Path) -> tuple[int, int] | None:
+    """Free and total bytes of the volume holding ``path``; None where it is not mounted here."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
