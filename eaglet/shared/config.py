@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from eaglet.shared.records import HEARTBEAT_INTERVAL_S, LOST_AFTER_BEATS
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EAGLET_", env_file=".env", extra="ignore")
@@ -45,7 +47,15 @@ class Settings(BaseSettings):
     max_attempts: int = Field(4, ge=1)
     """Tries per sample before it is recorded as failed."""
 
-    heartbeat_interval_s: float = Field(5.0, gt=0)
+    heartbeat_interval_s: float = Field(HEARTBEAT_INTERVAL_S, gt=0)
+
+    lost_heartbeats: float = Field(LOST_AFTER_BEATS, gt=0)
+    """A worker or a trainer is lost when its heartbeat is older than this many heartbeat intervals."""
 
     api_token: str = ""
     """Bearer token for the gateway's run-control endpoints. Empty disables them."""
+
+    @property
+    def lost_after_s(self) -> float:
+        """Seconds without a heartbeat after which a worker or a trainer is taken for dead."""
+        return self.lost_heartbeats * self.heartbeat_interval_s

@@ -2,23 +2,16 @@
 
 Workers write a heartbeat every few seconds (``keys.WORKERS``, one hash field per worker) and the
 health of their inference server (``keys.INFERENCE``, one field per server URL). Readers judge a
-worker lost when its heartbeat is older than a few intervals; nothing here is ever scanned per sample.
+worker lost when its heartbeat is older than ``LOST_AFTER_BEATS`` intervals (``WorkerBeat.lost``); nothing here
+is ever scanned per sample. The values are the records of eaglet/shared/records.py.
 """
 
-import json
 import time
-from enum import StrEnum
 
 from redis import Redis
 
 from eaglet.shared import keys
-
-
-class WorkerState(StrEnum):
-    idle = "idle"
-    busy = "busy"  # extracting ``sample`` of ``run``
-    backoff = "backoff"  # the inference server or the disk failed; waiting before the next try
-    stopped = "stopped"
+from eaglet.shared.records import InferenceBeat, WorkerBeat, WorkerState
 
 
 def beat(
@@ -37,27 +30,23 @@ def beat(
     instance: str = "",
     stage_seconds: dict[str, float] | None = None,
 ) -> None:
-    """Records one worker's state now. ``detail`` says why it is in backoff; disk figures are of the data volume;
-    ``stage_seconds`` is where its recent samples' time went (see eaglet/services/extractor/extract.py).
-
-    ``instance`` is unique per process: a worker restarted under the same name is a new instance, so the jobs
-    the old one had started are known to be abandoned (see eaglet/services/extractor/reaper.py)."""
-    record = {
-        "worker": worker,
-        "instance": instance,
-        "state": state,
-        "host": host,
-        "pid": pid,
-        "inference_url": inference_url,
-        "run": run,
-        "sample": sample,
-        "detail": detail,
-        "disk_free": disk_free,
-        "disk_total": disk_total,
-        "stage_seconds": stage_seconds or {},
-        "ts": time.time(),
-    }
-    redis.hset(keys.WORKERS, worker, json.dumps(record))
+    """Records one worker's state now (the fields are those of ``WorkerBeat``)."""
+    record = WorkerBeat(
+        worker=worker,
+        state=state,
+        ts=time.time(),
+        instance=instance,
+        host=host,
+        pid=pid,
+        inference_url=inference_url,
+        run=run,
+        sample=sample,
+        detail=detail,
+        disk_free=disk_free,
+        disk_total=disk_total,
+        stage_seconds=stage_seconds or {},
+    )
+    redis.hset(keys.WORKERS, worker, record.to_redis())
 
 
 def forget(redis: Redis, worker: str) -> None:
@@ -66,13 +55,23 @@ def forget(redis: Redis, worker: str) -> None:
 
 
 def report_inference(redis: Redis, url: str, *, ok: bool, detail: str = "", model: str = "") -> None:
-    record = {"url": url, "ok": ok, "detail": detail, "model": model, "ts": time.time()}
-    redis.hset(keys.INFERENCE, url, json.dumps(record))
+    record = InferenceBeat(url=url, ok=ok, ts=time.time(), detail=detail, model=model)
+    redis.hset(keys.INFERENCE, url, record.to_redis())
 
 
-def workers(redis: Redis) -> list[dict]:
-    return [json.loads(v) for v in redis.hgetall(keys.WORKERS).values()]
+def parse_workers(raw: dict[str, str]) -> dict[str, WorkerBeat]:
+    """An ``HGETALL`` of ``keys.WORKERS`` (read in a caller's pipeline) as beats by worker name."""
+    return {name: WorkerBeat.from_redis(value) for name, value in raw.items()}
 
 
-def inference_servers(redis: Redis) -> list[dict]:
-    return [json.loads(v) for v in redis.hgetall(keys.INFERENCE).values()]
+def parse_inference(raw: dict[str, str]) -> dict[str, InferenceBeat]:
+    """An ``HGETALL`` of ``keys.INFERENCE`` as reports by server URL."""
+    return {url: InferenceBeat.from_redis(value) for url, value in raw.items()}
+
+
+def workers(redis: Redis) -> dict[str, WorkerBeat]:
+    return parse_workers(redis.hgetall(keys.WORKERS))
+
+
+def inference_servers(redis: Redis) -> dict[str, InferenceBeat]:
+    return parse_inference(redis.hgetall(keys.INFERENCE))

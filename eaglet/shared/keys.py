@@ -2,8 +2,8 @@
 
 PREFIX = "eaglet"
 RUNS = f"{PREFIX}:runs"  # ZSET run id -> created (unix s)
-WORKERS = f"{PREFIX}:workers"  # HASH worker name -> JSON heartbeat
-INFERENCE = f"{PREFIX}:inference"  # HASH server url -> JSON health, written by the workers that use it
+WORKERS = f"{PREFIX}:workers"  # HASH worker name -> records.WorkerBeat (JSON)
+INFERENCE = f"{PREFIX}:inference"  # HASH server url -> records.InferenceBeat (JSON), written by the workers using it
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: JSON {"run", "event", "ts"}
 CONTROL_QUEUE = f"{PREFIX}-control"  # RQ queue of run-level jobs (ingest a dataset); workers listen to it too
 
@@ -19,7 +19,7 @@ class RunKeys:
     def __init__(self, run_id: str):
         base = f"{PREFIX}:run:{run_id}"
         self.run_id = run_id
-        self.meta = f"{base}:meta"  # HASH: total, total_tokens, model, hidden_size, stage, extraction_complete...
+        self.meta = f"{base}:meta"  # HASH: records.RunMeta (settings, stage, flags)
         self.counts = f"{base}:counts"  # HASH: done, failed, tokens, bytes, retries, last_done_at
         self.done = f"{base}:done"  # bitmap by sample index
         self.failed = f"{base}:failed"  # bitmap by sample index
@@ -30,8 +30,8 @@ class RunKeys:
         self.attempts = f"{base}:attempts"  # HASH sample index -> attempts so far
         self.lost = f"{base}:lost"  # HASH sample index -> times the worker extracting it died
         self.abandoned = f"{base}:abandoned"  # SET sample indexes whose RQ job RQ itself found abandoned
-        self.train = f"{base}:train"  # HASH: trainer progress
-        self.eval = f"{base}:eval"  # HASH: evaluation results
+        self.train = f"{base}:train"  # HASH: records.TrainProgress
+        self.eval = f"{base}:eval"  # HASH: records.EvalResult
 
     def all(self) -> list[str]:
         return [v for k, v in vars(self).items() if k != "run_id"]

@@ -3,31 +3,25 @@
 Done and failed marks are bits by sample index, so a retried or duplicated job never counts twice.
 The mark that gives the last sample its outcome sets ``extraction_complete`` in the same Lua script,
 hence exactly once, and publishes an event. Every read the status needs is O(1) in the samples.
+
+The run's stage moves only through the transitions below (``start_extraction``, ``wait_for_gpus``,
+``start_training``, ``start_evaluating``, ``finish``, ``fail``, ``cancel``), each checked against the stage
+it finds, atomically: a run that is done, failed or cancelled stays so. The meta, train and eval hashes are
+read and written as records (eaglet/shared/records.py).
 """
 
 import json
 import time
-from enum import StrEnum
+from collections.abc import Iterable
 
 from redis import Redis
 
 from eaglet.shared import keys
 from eaglet.shared.keys import RunKeys
+from eaglet.shared.records import FINISHED_STAGES, GPUS_RELEASED, EvalResult, RunMeta, Stage, TrainProgress
 
 RECENT_CAP = 2000
 ERRORS_CAP = 100
-
-
-class Stage(StrEnum):
-    ingesting = "ingesting"
-    extracting = "extracting"
-    extracted = "extracted"  # every sample has an outcome; the trainer has not started yet
-    waiting_for_gpus = "waiting_for_gpus"
-    training = "training"
-    evaluating = "evaluating"
-    done = "done"
-    failed = "failed"
-    cancelled = "cancelled"
 
 
 # Shared tail of both marks: if every sample now has an outcome, set the flag once and announce it.
@@ -112,6 +106,33 @@ end
 return n
 """
 
+# KEYS: meta; ARGV: stage event_json n allowed_1..allowed_n field_1 value_1...
+# Moves the stage (and sets the fields) only from one of the allowed stages; returns {moved, stage before}.
+MOVE_STAGE = """
+local before = redis.call('HGET', KEYS[1], 'stage') or 'ingesting'
+local n = tonumber(ARGV[3])
+for i = 4, 3 + n do
+  if ARGV[i] == before then
+    redis.call('HSET', KEYS[1], 'stage', ARGV[1])
+    for j = 4 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
+    redis.call('PUBLISH', KEYS[2], ARGV[2])
+    return {1, before}
+  end
+end
+return {0, before}
+"""
+
+UNFINISHED = tuple(s for s in Stage if s not in FINISHED_STAGES)
+TRAINER_RUNNING = (Stage.training, Stage.evaluating)
+
+
+class StageRefused(RuntimeError):
+    """The run's stage does not allow the move (a cancelled run is never trained on)."""
+
+    def __init__(self, run_id: str, to: Stage, stage: Stage):
+        super().__init__(f"run {run_id} is {stage}: it can not move to {to}")
+        self.stage = stage
+
 
 class RunState:
     """Writes of one run's state. Takes its Redis connection; never reaches for a global one."""
@@ -126,15 +147,15 @@ class RunState:
         self._mark_failed = redis.register_script(MARK_FAILED)
         self._set_total = redis.register_script(SET_TOTAL)
         self._reopen_failed = redis.register_script(REOPEN_FAILED)
+        self._move_stage = redis.register_script(MOVE_STAGE)
 
-    def create(self, **meta: str | int | float) -> None:
-        """Registers the run (stage ``ingesting``); ``total`` is set by ``set_total`` once ingest is done."""
+    def create(self, **meta: object) -> None:
+        """Registers the run (stage ``ingesting``) with the ``RunMeta`` fields given; ``total`` is set by
+        ``set_total`` once ingest is done."""
         now = time.time()
+        record = RunMeta(run_id=self.run_id, created_at=now, stage=Stage.ingesting, **meta)
         pipe = self.redis.pipeline()
-        pipe.hset(
-            self.keys.meta,
-            mapping={"run_id": self.run_id, "created_at": now, "stage": Stage.ingesting, **meta},
-        )
+        pipe.hset(self.keys.meta, mapping=record.to_redis())
         pipe.hset(self.keys.counts, mapping={"done": 0, "failed": 0, "tokens": 0, "bytes": 0, "retries": 0})
         pipe.zadd(keys.RUNS, {self.run_id: now})
         pipe.execute()
@@ -142,15 +163,55 @@ class RunState:
     def exists(self) -> bool:
         return bool(self.redis.exists(self.keys.meta))
 
-    def meta(self) -> dict[str, str]:
-        return self.redis.hgetall(self.keys.meta)
+    def meta(self) -> RunMeta:
+        return RunMeta.from_redis(self.redis.hgetall(self.keys.meta))
 
-    def set_meta(self, **fields: str | int | float) -> None:
-        self.redis.hset(self.keys.meta, mapping=fields)
+    def update_meta(self, meta: RunMeta) -> None:
+        """Writes the fields set in ``meta``. The stage moves through the transitions, not through here."""
+        fields = meta.to_redis()
+        if "stage" in fields:
+            raise ValueError("the stage moves through RunState's transitions (start_training, fail, ...)")
+        if fields:
+            self.redis.hset(self.keys.meta, mapping=fields)
 
-    def start_extraction(self) -> None:
-        """The first samples are queued; ingest goes on, so the total is not known yet."""
-        self.set_meta(stage=Stage.extracting, extraction_started_at=time.time())
+    def set_meta(self, **fields: object) -> None:
+        """``update_meta`` with the fields as keywords."""
+        self.update_meta(RunMeta(**fields))
+
+    def train(self) -> TrainProgress:
+        return TrainProgress.from_redis(self.redis.hgetall(self.keys.train))
+
+    def update_train(self, progress: TrainProgress) -> None:
+        """Writes the fields set in ``progress``: the trainer reports a few at a time."""
+        if fields := progress.to_redis():
+            self.redis.hset(self.keys.train, mapping=fields)
+
+    def add_train_attempt(self, delta: int = 1) -> int:
+        """Counts a training started for the run (-1 takes one back); returns the count."""
+        return int(self.redis.hincrby(self.keys.train, "follow_attempts", delta))
+
+    def eval(self) -> EvalResult:
+        return EvalResult.from_redis(self.redis.hgetall(self.keys.eval))
+
+    def update_eval(self, result: EvalResult) -> None:
+        if fields := result.to_redis():
+            self.redis.hset(self.keys.eval, mapping=fields)
+
+    def replace_eval(self, result: EvalResult) -> None:
+        """Starts a new evaluation: the figures of an earlier one are dropped in the same step."""
+        pipe = self.redis.pipeline()
+        pipe.delete(self.keys.eval)
+        pipe.hset(self.keys.eval, mapping=result.to_redis())
+        pipe.execute()
+
+    def record_ingest_death(self) -> int:
+        """The process ingesting the run died; returns how many times that has happened to it."""
+        return int(self.redis.hincrby(self.keys.meta, "ingest_deaths", 1))
+
+    def start_extraction(self) -> bool:
+        """The first samples are queued; ingest goes on, so the total is not known yet. False if the run had
+        left ``ingesting`` (extracting already, or cancelled meanwhile)."""
+        return self._move(Stage.extracting, (Stage.ingesting,), extraction_started_at=time.time()) is not None
 
     def set_total(self, total: int, total_tokens: int) -> int:
         """Ingest is over: the run is counted against ``total``. Returns 2 if that completed it."""
@@ -159,14 +220,57 @@ class RunState:
             self._set_total(keys=[k.meta, k.counts], args=[total, total_tokens, time.time(), keys.EVENTS, self.run_id])
         )
 
-    def set_stage(self, stage: Stage) -> None:
-        self.set_meta(stage=stage)
-        self.publish(f"stage:{stage}")
+    def wait_for_gpus(self) -> None:
+        """The trainer waits for the inference service to release its GPUs. StageRefused if the run finished."""
+        self._move_or_refuse(Stage.waiting_for_gpus, UNFINISHED)
 
-    def fail(self, reason: str) -> None:
-        """Ends the run as failed, with the reason ``/status`` shows."""
-        self.set_meta(error=reason)
-        self.set_stage(Stage.failed)
+    def start_training(self) -> None:
+        """From any unfinished stage: ``--allow-partial`` trains on a run still extracting, and a resumed trainer
+        finds its run training or evaluating. StageRefused if the run finished (a cancelled run stays so)."""
+        self._move_or_refuse(Stage.training, UNFINISHED)
+
+    def start_evaluating(self) -> None:
+        self._move_or_refuse(Stage.evaluating, TRAINER_RUNNING)
+
+    def finish(self) -> None:
+        """The drafter is trained (and evaluated, if asked)."""
+        self._move_or_refuse(Stage.done, TRAINER_RUNNING)
+
+    def fail(self, reason: str) -> Stage | None:
+        """Ends the run as failed, with the reason ``/status`` shows. Returns the stage it failed at, or None if
+        the run had finished already (its first outcome stands)."""
+        return self._move(Stage.failed, UNFINISHED, error=reason)
+
+    def cancel(self) -> Stage | None:
+        """Workers and the trainer see the stage and stop. Returns the stage it was cancelled at, or None if the
+        run had finished already."""
+        return self._move(Stage.cancelled, UNFINISHED)
+
+    def set_stage(self, stage: Stage) -> None:
+        """Sets the stage whatever it was; the transitions above check it."""
+        self._move(stage, tuple(Stage))
+
+    def release_gpus(self, now: float | None = None) -> None:
+        """The inference service stopped: the trainer waiting for its GPUs (``wait_for_gpus``) may start."""
+        self.redis.hsetnx(self.keys.meta, GPUS_RELEASED, time.time() if now is None else now)
+
+    def gpus_released(self) -> bool:
+        return self.redis.hexists(self.keys.meta, GPUS_RELEASED)
+
+    def _move(self, to: Stage, allowed: Iterable[Stage], **fields: object) -> Stage | None:
+        """Moves the stage to ``to`` if it is one of ``allowed``, setting the ``RunMeta`` fields given with it;
+        returns the stage before, or None if it was not allowed."""
+        allowed = [str(s) for s in allowed]
+        pairs = [x for item in RunMeta(**fields).to_redis().items() for x in item]
+        event = json.dumps({"run": self.run_id, "event": f"stage:{to}", "ts": time.time()})
+        moved, before = self._move_stage(
+            keys=[self.keys.meta, keys.EVENTS], args=[str(to), event, len(allowed), *allowed, *pairs]
+        )
+        return Stage(before) if moved else None
+
+    def _move_or_refuse(self, to: Stage, allowed: tuple[Stage, ...]) -> None:
+        if self._move(to, allowed) is None:
+            raise StageRefused(self.run_id, to, self.stage())
 
     def stage(self) -> Stage:
         return Stage(self.redis.hget(self.keys.meta, "stage") or Stage.ingesting)

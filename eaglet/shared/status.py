@@ -16,11 +16,21 @@ from pydantic import BaseModel, Field
 from redis import Redis
 
 from eaglet.shared import keys
+from eaglet.shared.heartbeats import parse_inference, parse_workers
 from eaglet.shared.keys import RunKeys
-from eaglet.shared.runstate import RECENT_CAP, Stage
+from eaglet.shared.records import (
+    ACTIVE_STAGES,
+    HEARTBEAT_INTERVAL_S,
+    LOST_AFTER_BEATS,
+    TRAINER_STAGES,
+    EvalResult,
+    RunMeta,
+    Stage,
+    TrainProgress,
+    WorkerBeat,
+)
+from eaglet.shared.runstate import RECENT_CAP
 
-ACTIVE = (Stage.ingesting, Stage.extracting)
-TRAINER_STAGES = (Stage.waiting_for_gpus, Stage.training, Stage.evaluating)  # a trainer process beats meanwhile
 RATE_SAMPLES = 256
 """Newest completions read for the rates: when all of them lie inside the window, the window shrinks to the
 time they span. Reading all RECENT_CAP entries costs ~5 ms of parsing per request for no better figure."""
@@ -37,7 +47,7 @@ class StatusConfig:
     """Stalled: no completion for this many times the usual interval between completions..."""
     stall_min_s: float = 60.0
     """...and never for less than this (a run of a few slow samples is not stalled)."""
-    lost_after_s: float = 15.0
+    lost_after_s: float = LOST_AFTER_BEATS * HEARTBEAT_INTERVAL_S
     """A worker whose heartbeat is older than this is lost (a few heartbeat intervals)."""
     error_rate_threshold: float = 0.05
     """Alert when the share of failed attempts goes above this."""
@@ -106,8 +116,8 @@ class Training(BaseModel):
     tokens_per_s: float | None
     eta_s: float | None
     last_checkpoint: str | None
-    state: str | None = Field(description="The trainer's own state: waiting, training, done, failed")
-    error: str | None
+    state: str | None = Field(description="The trainer's state, from the run's stage: waiting, training, done, failed")
+    error: str | None = Field(description="Why the training failed, when it did")
     seconds_since_update: float | None
     seconds_since_beat: float | None = Field(description="Age of the trainer process's heartbeat")
 
@@ -264,30 +274,24 @@ def _int(d: dict, key: str) -> int | None:
 def _cluster(
     workers: dict, inference: dict, config: StatusConfig, now: float, local_disk: tuple[int, int] | None
 ) -> Cluster:
-    rows = []
-    for name, raw in sorted(workers.items()):
-        beat = json.loads(raw)
-        age = max(0.0, now - float(beat.get("ts") or 0))
-        lost = age > config.lost_after_s and beat.get("state") != "stopped"
-        rows.append((beat, age, lost, name))
+    rows = [(beat, max(0.0, now - beat.ts), beat.lost(now, config.lost_after_s), name)
+            for name, beat in sorted(parse_workers(workers).items())]  # fmt: skip
     servers = []
-    for url, raw in sorted(inference.items()):
-        health = json.loads(raw)
-        age = max(0.0, now - float(health.get("ts") or 0))
-        ok = bool(health.get("ok"))
+    for url, health in sorted(parse_inference(inference).items()):
+        age = max(0.0, now - health.ts)
         servers.append(
             InferenceStatus(
                 url=url,
-                ok=ok,
-                healthy=ok and age <= config.lost_after_s,
-                detail=health.get("detail") or "",
-                model=health.get("model") or "",
+                ok=health.ok,
+                healthy=health.ok and age <= config.lost_after_s,
+                detail=health.detail,
+                model=health.model,
                 seconds_since_report=age,
             )
         )
     # The data volume as the freshest live worker sees it; the gateway's own view if no worker reports one.
-    disk = next(((b["disk_free"], b["disk_total"]) for b, _, lost, _ in sorted(rows, key=lambda r: r[1])
-                 if not lost and b.get("disk_free") is not None), local_disk)  # fmt: skip
+    disk = next(((b.disk_free, b.disk_total) for b, _, lost, _ in sorted(rows, key=lambda r: r[1])
+                 if not lost and b.disk_free is not None), local_disk)  # fmt: skip
     return Cluster(
         workers=[_worker(name, beat, age, lost) for beat, age, lost, name in rows],
         workers_live=sum(not lost for _, _, lost, _ in rows),
@@ -298,41 +302,40 @@ def _cluster(
     )
 
 
-def _worker(name: str, beat: dict, age: float, lost: bool) -> WorkerStatus:
+def _worker(name: str, beat: WorkerBeat, age: float, lost: bool) -> WorkerStatus:
     return WorkerStatus(
         name=name,
-        state=beat.get("state") or "",
-        host=beat.get("host") or "",
-        pid=beat.get("pid"),
-        inference_url=beat.get("inference_url") or "",
-        run=beat.get("run") or "",
-        sample=str(beat.get("sample") or ""),
-        detail=beat.get("detail") or "",
+        state=beat.state,
+        host=beat.host,
+        pid=beat.pid,
+        inference_url=beat.inference_url,
+        run=beat.run,
+        sample=beat.sample,
+        detail=beat.detail,
         seconds_since_heartbeat=age,
         lost=lost,
-        stage_seconds={str(k): float(v) for k, v in (beat.get("stage_seconds") or {}).items()},
+        stage_seconds=beat.stage_seconds,
     )
 
 
 def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now: float) -> RunStatus:
-    meta, counts, in_flight, recent, errors, train, evaluation = replies[:RUN_REPLIES]
-    stage = Stage(meta.get("stage") or Stage.ingesting)
+    raw_meta, counts, in_flight, recent, errors, raw_train, raw_eval = replies[:RUN_REPLIES]
+    meta = RunMeta.from_redis(raw_meta)
+    stage = meta.stage or Stage.ingesting
     completions = _parse_recent(recent)
     extraction = _extraction(meta, counts, in_flight, completions, errors, config, now)
     storage = _storage(meta, counts, cluster)
     run = RunStatus(
         run_id=run_id,
         stage=stage,
-        created_at=_float(meta, "created_at"),
-        dataset=meta.get("dataset"),
-        model=meta.get("model"),
-        error=meta.get("error") or None,
+        created_at=meta.created_at,
+        dataset=meta.dataset,
+        model=meta.model,
+        error=meta.error,
         extraction=extraction,
         storage=storage,
-        training=_training(train, now),
-        evaluation={
-            k: _float(evaluation, k) if _float(evaluation, k) is not None else v for k, v in evaluation.items()
-        },
+        training=_training(stage, meta, TrainProgress.from_redis(raw_train), now),
+        evaluation=_evaluation(EvalResult.from_redis(raw_eval)),
         alerts=[],
     )
     run.alerts = _alerts(run, completions, cluster, config, now)
@@ -349,7 +352,7 @@ def _parse_recent(recent: list[str]) -> list[tuple[float, int, int]]:
 
 
 def _extraction(
-    meta: dict,
+    meta: RunMeta,
     counts: dict,
     in_flight: int,
     completions: list[tuple[float, int, int]],
@@ -357,10 +360,10 @@ def _extraction(
     config: StatusConfig,
     now: float,
 ) -> Extraction:
-    total = _int(meta, "total")
+    total = meta.total
     done, failed = _int(counts, "done") or 0, _int(counts, "failed") or 0
     remaining = max(0, total - done - failed) if total is not None else None
-    started = _float(meta, "extraction_started_at") or _float(meta, "created_at")
+    started = meta.extraction_started_at or meta.created_at
     cutoff = now - config.window_s
     in_window = [c for c in completions if c[0] >= cutoff]
     span = config.window_s if started is None else min(config.window_s, now - started)
@@ -388,17 +391,17 @@ def _extraction(
         recent_attempts=attempts,
         errors=_int(counts, "errors") or 0,
         retries=_int(counts, "retries") or 0,
-        started_at=_float(meta, "extraction_started_at"),
-        completed_at=_float(meta, "extraction_complete"),
+        started_at=meta.extraction_started_at,
+        completed_at=meta.extraction_complete,
         last_done_at=last_done,
         seconds_since_last_done=now - last_done if last_done is not None else None,
         last_errors=[ErrorEntry(**e) for e in parsed_errors[: config.last_errors]],
     )
 
 
-def _storage(meta: dict, counts: dict, cluster: Cluster) -> Storage:
+def _storage(meta: RunMeta, counts: dict, cluster: Cluster) -> Storage:
     written, tokens = _int(counts, "bytes") or 0, _int(counts, "tokens") or 0
-    total_tokens = _int(meta, "total_tokens")
+    total_tokens = meta.total_tokens
     per_token = written / tokens if tokens else None
     projected = round(per_token * total_tokens) if per_token is not None and total_tokens is not None else None
     return Storage(
@@ -413,36 +416,44 @@ def _storage(meta: dict, counts: dict, cluster: Cluster) -> Storage:
     )
 
 
-def _training(train: dict, now: float) -> Training:
-    step, total = _int(train, "step"), _int(train, "total_steps")
-    eta = _float(train, "eta_s")
-    started = _float(train, "started_at")
+def _training(stage: Stage, meta: RunMeta, progress: TrainProgress, now: float) -> Training:
+    step, total, started = progress.step, progress.total_steps, progress.started_at
+    eta = progress.eta_s
     if eta is None and step and total is not None and started is not None:
         eta = (total - step) * (now - started) / step  # the mean step time so far
-    updated = _float(train, "updated_at")
-    # The trainer writes ``acc`` as a JSON list, one accuracy per unrolled step; ``accuracy`` alone is accepted too.
-    try:
-        per_position = [float(a) for a in json.loads(train["acc"])] if train.get("acc") else None
-    except (ValueError, TypeError):
-        per_position = None
-    accuracy = _float(train, "accuracy")
-    if accuracy is None and per_position:
-        accuracy = per_position[0]
+    state = _trainer_state(stage, progress)
     return Training(
         step=step,
         total_steps=total,
         percent=100.0 * step / total if step is not None and total else None,
-        loss=_float(train, "loss"),
-        accuracy=accuracy,
-        accuracy_per_position=per_position,
-        tokens_per_s=_float(train, "tokens_per_s"),
+        loss=progress.loss,
+        accuracy=progress.accuracy,
+        accuracy_per_position=progress.acc,
+        tokens_per_s=progress.tokens_per_s,
         eta_s=eta,
-        last_checkpoint=train.get("last_checkpoint") or None,
-        state=train.get("state") or None,
-        error=train.get("error") or None,
-        seconds_since_update=now - updated if updated is not None else None,
-        seconds_since_beat=now - beat if (beat := _float(train, "beat_at")) is not None else None,
+        last_checkpoint=progress.last_checkpoint,
+        state=state,
+        error=meta.error if state == "failed" else None,
+        seconds_since_update=now - progress.updated_at if progress.updated_at is not None else None,
+        seconds_since_beat=now - progress.beat_at if progress.beat_at is not None else None,
     )
+
+
+def _trainer_state(stage: Stage, progress: TrainProgress) -> str | None:
+    """What the trainer is doing, as the run's stage says; a failed run failed in training if a trainer reported."""
+    if stage == Stage.waiting_for_gpus:
+        return "waiting"
+    if stage in (Stage.training, Stage.evaluating):
+        return "training"
+    if stage == Stage.done or (stage == Stage.failed and progress.to_redis()):
+        return str(stage)
+    return None
+
+
+def _evaluation(result: EvalResult) -> dict[str, float | str]:
+    """Numbers as numbers; the rest (the state, per-position rates as JSON) as the text Redis holds."""
+    fields = result.to_redis()
+    return {k: v if (number := _float(fields, k)) is None else number for k, v in fields.items()}
 
 
 def _usual_interval(completions: list[tuple[float, int, int]], n: int = 100) -> float | None:
@@ -458,7 +469,7 @@ def _alerts(
 ) -> list[Alert]:
     alerts = []
     ex = run.extraction
-    extracting = run.stage in ACTIVE and ex.remaining != 0
+    extracting = run.stage in ACTIVE_STAGES and ex.remaining != 0
     if extracting:
         usual = _usual_interval(completions)
         since = ex.last_done_at or ex.started_at or run.created_at or now
@@ -471,7 +482,7 @@ def _alerts(
                 f"`eaglet ingest --run {run.run_id} --resume` takes it up where it last flushed")  # fmt: skip
             alerts.append(Alert(kind="stalled", message=(
                 f"no sample completed for {now - since:.1f} s (limit {limit:.1f} s){hint}")))  # fmt: skip
-    if run.stage in ACTIVE:
+    if run.stage in ACTIVE_STAGES:
         lost = [w.name for w in cluster.workers if w.lost and w.run in ("", run.run_id)]
         if lost:
             alerts.append(Alert(kind="workers_lost", message=f"{len(lost)} worker(s) lost: {', '.join(lost[:8])}"))

@@ -5,7 +5,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from eaglet.shared.keys import RunKeys
+from eaglet.shared.records import EvalResult, TrainProgress
 from eaglet.shared.runstate import Stage
 
 
@@ -59,7 +59,7 @@ def test_figures_equal_the_truth_at_every_poll(gateway, redis, fake_run):
     fake.state.create(dataset="/datasets/data.jsonl", model="tiny")
     assert client.get("/runs/r1").json()["run"]["stage"] == Stage.ingesting
     fake.ingest()
-    started_at = float(redis.hget(RunKeys("r1").meta, "extraction_started_at"))
+    started_at = fake.state.meta().extraction_started_at
     fake.start()
     polls, stage = 0, Stage.extracting
     deadline = time.time() + 60
@@ -172,17 +172,21 @@ def test_training_and_evaluation_figures(gateway, redis):
 
     state = RunState(redis, "r4")
     state.create()
-    state.set_stage(Stage.training)
+    state.start_training()
     now = time.time()
-    redis.hset(RunKeys("r4").train, mapping={
-        "step": 250, "total_steps": 1000, "loss": 1.5, "acc": "[0.625, 0.5, 0.25]", "state": "training",
-        "tokens_per_s": 12000.0,
-        "started_at": now - 50, "updated_at": now, "last_checkpoint": "checkpoints/step-200",
-    })  # fmt: skip
-    redis.hset(RunKeys("r4").eval, mapping={"acceptance_length": 3.25})
+    state.update_train(TrainProgress(
+        step=250, total_steps=1000, loss=1.5, acc=[0.625, 0.5, 0.25], tokens_per_s=12000.0,
+        started_at=now - 50, updated_at=now, beat_at=now, last_checkpoint="checkpoints/step-200",
+    ))  # fmt: skip
+    state.update_eval(EvalResult(state="done", accept_length=3.25, accept_rate=[0.8, 0.5], prompts=4))
     run = gateway.client().get("/runs/r4").json()["run"]
     tr = run["training"]
     assert (tr["step"], tr["total_steps"], tr["percent"], tr["loss"], tr["accuracy"]) == (250, 1000, 25.0, 1.5, 0.625)
     assert tr["accuracy_per_position"] == [0.625, 0.5, 0.25] and tr["state"] == "training"
     assert tr["eta_s"] == pytest.approx(150, abs=2) and tr["last_checkpoint"] == "checkpoints/step-200"
-    assert run["evaluation"] == {"acceptance_length": 3.25}
+    assert "trainer_lost" not in kinds(run)
+    # Numbers as numbers, the rest as Redis holds it: the shape the page reads.
+    assert run["evaluation"] == {"state": "done", "prompts": 4.0, "accept_length": 3.25, "accept_rate": "[0.8, 0.5]"}
+    state.fail("RuntimeError: out of memory")
+    tr = gateway.client().get("/runs/r4").json()["run"]["training"]
+    assert (tr["state"], tr["error"]) == ("failed", "RuntimeError: out of memory")

@@ -42,7 +42,7 @@ def make_run(
     layer_ids = eagle3_layer_ids(layers)
     state = RunState(redis, run_id)
     state.create(model_dir=str(model_dir), hidden_size=model.config.hidden_size, num_layers=layers,
-                 aux_layer_ids=json.dumps(layer_ids), dtype="float32")  # fmt: skip
+                 aux_layer_ids=layer_ids)  # fmt: skip
     writer = SampleWriter(samples_dir(data_dir, run_id))
     seqs = token_sequences(n, length)
     for i, ids in enumerate(seqs):

@@ -90,7 +90,7 @@ def test_eval_prompt_forms():
 
 def test_eval_of_a_trained_run_reports_to_redis(redis, tmp_path, tiny_model_dir):
     make_run(redis, tmp_path, tiny_model_dir, "ev", n=12)
-    cfg = TrainConfig(ttt_steps=2, draft_vocab_size=512, max_tokens=160, max_steps=4, workers=0)
+    cfg = TrainConfig(ttt_steps=2, draft_vocab_size=512, tokens_per_batch=160, max_steps=4, loader_workers=0)
     train(redis=redis, run_id="ev", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=cfg, env=Dist())
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Why is the sky blue?"}]}) + "\n")

@@ -18,6 +18,7 @@ from redis import Redis
 from eaglet.services.extractor.exceptions import SampleRejected, Transient
 from eaglet.shared.dumpfile import DumpInvalid, dump_path, read_dump, validate_dump
 from eaglet.shared.ids import make_rid
+from eaglet.shared.records import RunMeta
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import Sample, SampleSet
 from eaglet.shared.store import StoreError, sample_is_complete, sample_path, samples_dir, write_sample
@@ -45,7 +46,7 @@ class Extractor:
     on_state: Callable[[str, str, str, str], None] | None = None  # (state, run, sample, detail) for the heartbeat
     on_timings: Callable[[dict[str, float]], None] | None = None  # seconds per stage of each stored sample
     _samples: dict[str, SampleSet] = field(default_factory=dict)
-    _meta: dict[str, dict] = field(default_factory=dict)
+    _meta: dict[str, RunMeta] = field(default_factory=dict)
 
     def extract(self, run_id: str, index: int) -> str:
         """Runs one job to an outcome in Redis; returns what happened, for the job's log."""
@@ -115,7 +116,7 @@ class Extractor:
             dump = self._wait_for_dump(dump_file, rid)
             lap("dump_wait")
             meta = self._run_meta(state)
-            validate_dump(dump, rid=rid, num_tokens=len(sample.input_ids), hidden_size=meta["hidden_size"])
+            validate_dump(dump, rid=rid, num_tokens=len(sample.input_ids), hidden_size=meta.hidden_size)
             lap("check")
             tensors = {
                 "input_ids": torch.from_numpy(sample.input_ids),
@@ -180,10 +181,13 @@ class Extractor:
             self._samples[run_id] = SampleSet(samples_dir(self.data_dir, run_id))
         return self._samples[run_id]
 
-    def _run_meta(self, state: RunState) -> dict:
+    def _run_meta(self, state: RunState) -> RunMeta:
+        """The run's settings, read once: ingest writes them before it queues the first sample."""
         if state.run_id not in self._meta:
             meta = state.meta()
-            self._meta[state.run_id] = {"hidden_size": int(meta["hidden_size"])}
+            if meta.hidden_size is None:
+                raise RuntimeError(f"run {state.run_id}: no hidden_size in its meta (was it created by ingest?)")
+            self._meta[state.run_id] = meta
         return self._meta[state.run_id]
 
     def report(self, what: str, run_id: str, sample_id: str, detail: str) -> None:

@@ -34,9 +34,6 @@ class GatewaySettings(Settings):
     stall_min_s: float = Field(60.0, gt=0)
     """...and never for less than this."""
 
-    lost_heartbeats: float = Field(3.0, gt=0)
-    """A worker is lost when its heartbeat is older than this many heartbeat intervals."""
-
     error_rate_threshold: float = Field(0.05, ge=0, le=1)
 
     status_max_runs: int = Field(100, ge=1)
@@ -52,7 +49,7 @@ class GatewaySettings(Settings):
             window_s=self.status_window_s,
             stall_factor=self.stall_factor,
             stall_min_s=self.stall_min_s,
-            lost_after_s=self.lost_heartbeats * self.heartbeat_interval_s,
+            lost_after_s=self.lost_after_s,
             error_rate_threshold=self.error_rate_threshold,
         )
 

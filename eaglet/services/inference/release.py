@@ -26,13 +26,11 @@ from redis.exceptions import RedisError
 
 from eaglet.shared import keys
 from eaglet.shared.config import Settings
-from eaglet.shared.keys import RunKeys
+from eaglet.shared.records import ACTIVE_STAGES
 from eaglet.shared.runstate import RunState, Stage
 
 log = logging.getLogger(__name__)
 
-GPUS_RELEASED = "gpus_released"  # the meta field eaglet.services.trainer.main --wait-for-gpus waits for
-BUSY = {Stage.ingesting, Stage.extracting}
 WAITING = {Stage.extracted, Stage.waiting_for_gpus}
 
 
@@ -51,18 +49,17 @@ def runs_to_release(redis: Redis) -> list[str]:
     """The runs whose extraction is complete and that wait for the GPUs; none while any run still extracts."""
     waiting = []
     for run_id in redis.zrange(keys.RUNS, 0, -1):
-        meta = RunKeys(run_id).meta
-        stage, complete, released = redis.hmget(meta, "stage", "extraction_complete", GPUS_RELEASED)
-        if stage is None or stage in BUSY:  # no stage yet: the gateway queued its ingest, which will need us
+        meta = RunState(redis, run_id).meta()
+        if meta.stage is None or meta.stage in ACTIVE_STAGES:  # no stage yet: its ingest is queued, and needs us
             return []
-        if stage in WAITING and complete is not None and released is None:
+        if meta.stage in WAITING and meta.extraction_complete is not None and meta.gpus_released is None:
             waiting.append(run_id)
     return waiting
 
 
 def release(redis: Redis, run_ids: list[str], now: float) -> None:
     for run_id in run_ids:
-        RunState(redis, run_id).set_meta(**{GPUS_RELEASED: now})
+        RunState(redis, run_id).release_gpus(now)
         log.info("run %s: GPUs released for training", run_id)
 
 

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch.utils.data import DataLoader, Dataset
 
 from eaglet.shared.samples import SampleSet
-from eaglet.shared.store import StoreError, decode_states, sample_path
+from eaglet.shared.store import decode_states, open_sample, read_metadata, sample_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,23 +51,18 @@ def split_items(samples: SampleSet, indexes: list[int], heldout: float) -> tuple
 
 
 def load_sample(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Decodes one stored sample to training tensors: the one place the trainer reads a sample file. The state
-    tensors' encoding (as dumped, bf16, fp8 with per-token scales) is undone by ``decode_states``."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            stored = {k: f.get_tensor(k) for k in f.keys()}
-            metadata = f.metadata() or {}
-        return {
-            "input_ids": stored["input_ids"].long(),  # [T]
-            "loss_mask": stored["loss_mask"].bool(),  # [T]
-            **decode_states(stored, metadata, dtype),  # hidden_states [T, H] after the final norm, aux [T, 3H]
-        }
-    except Exception as e:  # safetensors raises its own error types, OSError, or ValueError on a bad header
-        raise StoreError(f"reading {path}: {e}") from e
+    """One stored sample, read by the store, as training tensors: its state tensors decoded to ``dtype``."""
+    metadata = read_metadata(path)  # first: a truncated or foreign file fails here, as a StoreError
+    stored = open_sample(path)
+    return {
+        "input_ids": stored["input_ids"].long(),  # [T]
+        "loss_mask": stored["loss_mask"].bool(),  # [T]
+        **decode_states(stored, metadata, dtype),  # hidden_states [T, H] after the final norm, aux [T, 3H]
+    }
 
 
-def make_batches(items: list[Item], max_tokens: int, seed: int, epoch: int, window: int = 64) -> list[list[Item]]:
-    """Length-grouped batches of at most ``max_tokens`` padded tokens (one over-long sample is a batch alone)."""
+def make_batches(items: list[Item], tokens_per_batch: int, seed: int, epoch: int, window: int = 64) -> list[list[Item]]:
+    """Length-grouped batches of at most ``tokens_per_batch`` padded tokens (an over-long sample is a batch alone)."""
     rng = random.Random(seed * 100_003 + epoch)
     order = items[:]
     rng.shuffle(order)
@@ -77,7 +71,7 @@ def make_batches(items: list[Item], max_tokens: int, seed: int, epoch: int, wind
         chunk = sorted(order[w : w + window], key=lambda it: it.length)
         batch: list[Item] = []
         for it in chunk:
-            if batch and max(it.length, batch[-1].length) * (len(batch) + 1) > max_tokens:
+            if batch and max(it.length, batch[-1].length) * (len(batch) + 1) > tokens_per_batch:
                 batches.append(batch)
                 batch = []
             batch.append(it)
@@ -124,7 +118,7 @@ def collate(samples: list[dict[str, torch.Tensor]], max_len: int) -> dict[str, t
     return out
 
 
-def loader(batch_set: BatchSet, start: int, workers: int) -> DataLoader:
-    """Batches from position ``start`` on (resume), read ahead by ``workers`` processes (0: in the loop)."""
+def loader(batch_set: BatchSet, start: int, loader_workers: int) -> DataLoader:
+    """Batches from position ``start`` on (resume), read ahead by ``loader_workers`` processes (0: in the loop)."""
     subset = torch.utils.data.Subset(batch_set, range(start, len(batch_set)))
-    return DataLoader(subset, batch_size=None, shuffle=False, num_workers=workers, persistent_workers=False)
+    return DataLoader(subset, batch_size=None, shuffle=False, num_workers=loader_workers, persistent_workers=False)

@@ -3,9 +3,8 @@
     python -m eaglet.services.trainer.evaluate --run RUN --prompts prompts-eval.jsonl [--k 4] [--max-new-tokens 128]
 
 Reports mean acceptance length, acceptance rate per draft position and wall-clock speed-up over greedy decoding
-with the target alone, and checks that both outputs are identical. Results go to the Redis hash
-``RunKeys(run).eval``: state, prompts, k, max_new_tokens, accept_length, accept_rate (JSON list), rounds,
-new_tokens, target_s, spec_s, speedup, target_tok_s, spec_tok_s, mismatches, started_at, updated_at, finished_at.
+with the target alone, and checks that both outputs are identical. Results go to the run's ``EvalResult`` record
+(the Redis hash ``RunKeys(run).eval``) as they come.
 
 Prompt lines: ``{"messages": [...]}`` (OpenAI), ``{"conversations": [{"from", "value"}]}`` (ShareGPT) or
 ``{"prompt": "..."}``. The conversation up to the first assistant turn is rendered with the target's chat
@@ -23,10 +22,10 @@ from redis import Redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglet.services.trainer.checkpoint import load_drafter
+from eaglet.services.trainer.model import target_inv_freq
 from eaglet.services.trainer.speculative import SpecStats, greedy_generate, speculative_generate
-from eaglet.services.trainer.train import target_inv_freq
 from eaglet.shared.config import Settings
-from eaglet.shared.keys import RunKeys
+from eaglet.shared.records import EvalResult
 from eaglet.shared.runstate import RunState
 from eaglet.shared.store import drafter_dir
 from eaglet.shared.target import model_config, resolve_model_dir
@@ -140,18 +139,18 @@ def evaluate_run(
     embed = target.get_input_embeddings().weight.detach()
     drafter = load_drafter(folder, embed.float(), target_inv_freq(text, config["head_dim"])).to(device, dtype).eval()
     ids = load_prompts(prompts, tokenizer, num_prompts)
-    key = RunKeys(run_id).eval
-    started = time.time()
+    state = RunState(redis, run_id) if redis is not None else None
 
-    def report(fields: dict) -> None:
-        if redis is not None:
-            enc = {k: json.dumps(v) if isinstance(v, list) else v for k, v in fields.items()}
-            redis.hset(key, mapping={**enc, "updated_at": time.time()})
+    def report(figures: dict) -> None:
+        if state is not None:
+            state.update_eval(EvalResult(**figures, updated_at=time.time()))
 
-    if redis is not None:
-        redis.delete(key)
-        report(
-            {"state": "running", "prompts": len(ids), "k": k, "max_new_tokens": max_new_tokens, "started_at": started}
+    if state is not None:
+        now = time.time()
+        state.replace_eval(
+            EvalResult(
+                state="running", prompts=len(ids), k=k, max_new_tokens=max_new_tokens, started_at=now, updated_at=now
+            )
         )
     log.info("run %s: evaluating %d prompts, k=%d, up to %d new tokens", run_id, len(ids), k, max_new_tokens)
     figures = run_eval(
@@ -180,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings()
     redis = Redis.from_url(settings.redis_url, decode_responses=True)
-    model = args.model or RunState(redis, args.run).meta().get("model_dir") or settings.model
+    state = RunState(redis, args.run)
+    model = args.model or state.meta().model_dir or settings.model
     try:
         figures = evaluate_run(
             redis=redis, run_id=args.run, data_dir=settings.data_dir,
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     except Exception as e:
         log.error("run %s: evaluation failed", args.run, exc_info=True)
-        redis.hset(RunKeys(args.run).eval, mapping={"state": "failed", "error": f"{type(e).__name__}: {e}"})
+        state.update_eval(EvalResult(state="failed", error=f"{type(e).__name__}: {e}"))
         return 1
     return 0 if figures["mismatches"] == 0 else 2
 

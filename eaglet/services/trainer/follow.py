@@ -28,30 +28,33 @@ from redis.exceptions import RedisError
 from eaglet.shared import keys
 from eaglet.shared.config import Settings
 from eaglet.shared.keys import RunKeys
-from eaglet.shared.runstate import Stage
+from eaglet.shared.records import TRAINER_STAGES
+from eaglet.shared.runstate import RunState, Stage
 
 log = logging.getLogger(__name__)
 
-CLAIMABLE = {Stage.extracted, Stage.waiting_for_gpus, Stage.training, Stage.evaluating}
-ATTEMPTS = "follow_attempts"  # field of RunKeys(run).train: trainings started for the run
+CLAIMABLE = TRAINER_STAGES | {Stage.extracted}
 
 # Renew or drop the lock only while it is still ours: after an expiry another replica may hold it.
 RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 UNLOCK = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-class FollowSettings(Settings):
+class GpuHandoverSettings(Settings):
+    release_gpus_when_done: bool = False
+    """One GPU set serves both services in turn: the inference service frees it once no run is extracting (and
+    sets ``gpus_released`` on the runs that wait), and the trainer waits for that before it trains."""
+
+
+class FollowSettings(GpuHandoverSettings):
     train_gpus: int = Field(0, ge=0)
     """Trainer processes (one per GPU) through torchrun; 0 trains in one plain process (CPU)."""
 
     train_args: str = ""
-    """More ``eaglet.services.trainer.main`` options, shell-quoted, e.g. ``--epochs 2 --max-tokens 16384``."""
+    """More ``eaglet.services.trainer.main`` options, shell-quoted, e.g. ``--epochs 2 --tokens-per-batch 16384``."""
 
     eval_prompts: str = ""
     """A JSONL of held-out prompts: evaluate each drafter's acceptance length after training. Empty: no evaluation."""
-
-    release_gpus_when_done: bool = False
-    """The inference service frees the GPUs after extraction: wait for its ``gpus_released`` before training."""
 
     follow_poll_s: float = Field(5.0, gt=0)
     """Seconds between looks at the runs."""
@@ -85,8 +88,8 @@ def trainer_command(settings: FollowSettings, run_id: str) -> list[str]:
 def next_run(redis: Redis, settings: FollowSettings, owner: str) -> str | None:
     """Claims the oldest run that needs a trainer, if any, and returns its id."""
     for run_id in redis.zrange(keys.RUNS, 0, -1):
-        stage, attempts = redis.hget(RunKeys(run_id).meta, "stage"), redis.hget(RunKeys(run_id).train, ATTEMPTS)
-        if stage not in CLAIMABLE or int(attempts or 0) >= settings.train_max_attempts:
+        state = RunState(redis, run_id)
+        if state.stage() not in CLAIMABLE or (state.train().follow_attempts or 0) >= settings.train_max_attempts:
             continue
         ttl_ms = int(settings.train_lock_ttl_s * 1000)
         if redis.set(lock_key(run_id), owner, nx=True, px=ttl_ms):
@@ -96,7 +99,8 @@ def next_run(redis: Redis, settings: FollowSettings, owner: str) -> str | None:
 
 def train_run(redis: Redis, settings: FollowSettings, run_id: str, owner: str, stopping: threading.Event) -> int:
     """Runs the trainer for ``run_id`` to its end, renewing the lock meanwhile; returns its exit code."""
-    attempt = redis.hincrby(RunKeys(run_id).train, ATTEMPTS, 1)
+    state = RunState(redis, run_id)
+    attempt = state.add_train_attempt()
     command = trainer_command(settings, run_id)
     log.info("run %s: training, attempt %d: %s", run_id, attempt, shlex.join(command))
     proc = subprocess.Popen(command)
@@ -114,7 +118,7 @@ def train_run(redis: Redis, settings: FollowSettings, run_id: str, owner: str, s
             if stopping.is_set() and not signalled:
                 # The container is stopping: the next trainer resumes from the checkpoint; not a failed attempt.
                 proc.send_signal(signal.SIGTERM)
-                redis.hincrby(RunKeys(run_id).train, ATTEMPTS, -1)
+                state.add_train_attempt(-1)
                 signalled = True
             try:
                 if not redis.eval(RENEW, 1, lock_key(run_id), owner, ttl_ms):
@@ -126,7 +130,7 @@ def train_run(redis: Redis, settings: FollowSettings, run_id: str, owner: str, s
             proc.kill()
             proc.wait()
         redis.eval(UNLOCK, 1, lock_key(run_id), owner)
-    log.info("run %s: trainer exited with %d (stage %s)", run_id, rc, redis.hget(RunKeys(run_id).meta, "stage"))
+    log.info("run %s: trainer exited with %d (stage %s)", run_id, rc, state.stage())
     return rc
 
 

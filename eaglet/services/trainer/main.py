@@ -9,11 +9,18 @@ It never trains on a partial run unless ``--allow-partial`` is given. GPU releas
 """
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
 import logging
 import os
 import socket
+import textwrap
 import threading
 import time
+import typing
+from collections.abc import Callable
 from pathlib import Path
 
 from redis import Redis
@@ -21,106 +28,114 @@ from redis.exceptions import RedisError
 
 from eaglet.services.trainer.train import Dist, TrainConfig, init_distributed, train
 from eaglet.shared.config import Settings
-from eaglet.shared.keys import RunKeys
-from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared.records import GPUS_RELEASED, TrainProgress
+from eaglet.shared.runstate import RunState, StageRefused
 from eaglet.shared.target import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
-GPUS_RELEASED = "gpus_released"
+Config = typing.TypeVar("Config")  # a config dataclass
 
 
 class RunCancelled(RuntimeError):
     """The run was cancelled while the trainer waited or trained."""
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    d = TrainConfig()
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eaglet train", description="Train the EAGLE-3 drafter of a run.")
     p.add_argument("--run", required=True, help="run id")
     p.add_argument("--allow-partial", action="store_true", help="train on the samples extracted so far, not waiting")
-    p.add_argument("--wait-for-gpus", action="store_true", help="also wait for the run's gpus_released flag")
+    p.add_argument("--wait-for-gpus", action="store_true", help=f"also wait for the run's {GPUS_RELEASED} flag")
     p.add_argument("--poll-s", type=float, default=2.0, help="seconds between checks of the flags")
     p.add_argument("--model", help="target model directory (default: the run's model_dir, else EAGLET_MODEL)")
-    p.add_argument("--ttt-steps", type=int, default=d.ttt_steps)
-    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size)
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--max-steps", type=int, default=d.max_steps, help="0: the epochs decide")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="padded tokens per batch per process")
-    p.add_argument("--max-len", type=int, default=d.max_len)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--workers", type=int, default=d.workers, help="DataLoader processes (0: none)")
-    p.add_argument("--attention", default=d.attention, choices=["auto", "math", "flex"])
-    p.add_argument("--oov-mask", default=d.oov_mask, choices=["auto", "on", "off"])
+    add_config_flags(p, TrainConfig)
     p.add_argument("--eval-prompts", type=Path, help="JSONL of held-out prompts: run `eaglet eval` after training")
     p.add_argument("--eval-k", type=int, default=4, help="draft tokens per round in the evaluation")
     p.add_argument("--eval-max-new-tokens", type=int, default=128)
     p.add_argument("--eval-num-prompts", type=int, default=0, help="0: all")
-    return p.parse_args(argv)
+    return p
 
 
-def train_config(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size, epochs=args.epochs,
-        max_steps=args.max_steps, max_tokens=args.max_tokens, max_len=args.max_len, lr=args.lr,
-        warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, checkpoint_every=args.checkpoint_every,
-        heldout_fraction=args.heldout_fraction, seed=args.seed, workers=args.workers,
-        attention=args.attention, oov_mask=args.oov_mask,
-    )  # fmt: skip
+def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of the config dataclass ``cls``: ``--field-name``, of the field's type and default, its
+    docstring as help. A bool is ``--name``/``--no-name``; a ``Literal`` gives the choices."""
+    docs, types, defaults = field_docs(cls), typing.get_type_hints(cls), cls()
+    for f in dataclasses.fields(cls):
+        kind = {"default": getattr(defaults, f.name), "help": docs[f.name].replace("%", "%%")}  # help is %-formatted
+        if types[f.name] is bool:
+            kind["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(types[f.name]) is typing.Literal:
+            kind["choices"] = typing.get_args(types[f.name])
+        else:
+            kind["type"] = types[f.name]
+        parser.add_argument("--" + f.name.replace("_", "-"), **kind)
 
 
-def wait_for_start(
-    redis: Redis, run_id: str, *, allow_partial: bool, wait_for_gpus: bool, poll_s: float, announce: bool
-) -> None:
-    """Blocks until the run's ``extraction_complete`` flag is set (and ``gpus_released`` if asked)."""
-    state = RunState(redis, run_id)
-    waits = [("extraction_complete", not allow_partial), (GPUS_RELEASED, wait_for_gpus)]
-    for flag, needed in waits:
-        last_log = 0.0
-        while needed and not redis.hexists(RunKeys(run_id).meta, flag):
-            if state.exists() and state.is_cancelled():
-                raise RunCancelled(f"run {run_id} was cancelled")
-            if flag == GPUS_RELEASED and announce and state.stage() != Stage.waiting_for_gpus:
-                state.set_stage(Stage.waiting_for_gpus)
-                redis.hset(RunKeys(run_id).train, mapping={"state": "waiting", "waiting_for": flag})
-            if time.time() - last_log > 30:
-                log.info("run %s: waiting for %s", run_id, describe_wait(redis, run_id, flag))
-                last_log = time.time()
-            time.sleep(poll_s)
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, whitespace folded: the string right after the field."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        field.target.id: " ".join(doc.value.value.split())
+        for field, doc in itertools.pairwise(body)
+        if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)
+    }  # fmt: skip
 
 
-def describe_wait(redis: Redis, run_id: str, flag: str) -> str:
-    if flag == GPUS_RELEASED:
-        return f"the inference service to release its GPUs (field {GPUS_RELEASED} in {RunKeys(run_id).meta})"
-    meta, counts = redis.hgetall(RunKeys(run_id).meta), redis.hgetall(RunKeys(run_id).counts)
-    if not meta:
-        return f"the run to be created (no {RunKeys(run_id).meta}); --allow-partial does not help here"
+def config_from_args(cls: type[Config], args: argparse.Namespace) -> Config:
+    """The config dataclass ``cls`` from the flags ``add_config_flags`` made; its checks run here."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def wait_for_start(state: RunState, *, allow_partial: bool, wait_for_gpus: bool, poll_s: float, announce: bool) -> None:
+    """Blocks until the run's extraction is complete (unless ``allow_partial``), then, if asked, until the inference
+    service has released its GPUs; the run shows ``waiting_for_gpus`` meanwhile when ``announce``."""
+    if not allow_partial:
+        wait_until(state, state.extraction_complete, lambda: describe_extraction(state), poll_s)
+    if wait_for_gpus and not state.gpus_released():
+        if announce:
+            state.wait_for_gpus()
+        gpus = f"the inference service to release its GPUs (field {GPUS_RELEASED} in {state.keys.meta})"
+        wait_until(state, state.gpus_released, lambda: gpus, poll_s)
+
+
+def wait_until(state: RunState, ready: Callable[[], bool], waiting_for: Callable[[], str], poll_s: float) -> None:
+    """Polls ``ready`` every ``poll_s`` seconds, saying what it waits for every 30 s; RunCancelled if cancelled."""
+    last_log = 0.0
+    while not ready():
+        if state.is_cancelled():
+            raise RunCancelled(f"run {state.run_id} was cancelled")
+        if time.time() - last_log > 30:
+            log.info("run %s: waiting for %s", state.run_id, waiting_for())
+            last_log = time.time()
+        time.sleep(poll_s)
+
+
+def describe_extraction(state: RunState) -> str:
+    if not state.exists():
+        return f"the run to be created (no {state.keys.meta}); --allow-partial does not help here"
+    meta, counts = state.meta(), state.counts()
+    total = "?" if meta.total is None else meta.total
     return (
-        f"extraction to complete: {counts.get('done', 0)} done, {counts.get('failed', 0)} failed of "
-        f"{meta.get('total', '?')} samples (stage {meta.get('stage')}); --allow-partial trains on what exists"
+        f"extraction to complete: {counts.get('done', 0)} done, {counts.get('failed', 0)} failed of {total} samples "
+        f"(stage {meta.stage}); --allow-partial trains on what exists"
     )
 
 
-def heartbeat(redis: Redis, run_id: str, interval_s: float, stop: threading.Event) -> None:
+def heartbeat(state: RunState, interval_s: float, stop: threading.Event) -> None:
     """Beats in the run's train hash (``beat_at``) until stopped: a trainer that dies or hangs mid-run shows in
     ``/status`` as the ``trainer_lost`` alert, not as a run training forever."""
-    key = RunKeys(run_id).train
     while not stop.is_set():
         try:
-            redis.hset(key, mapping={"beat_at": time.time(), "host": socket.gethostname(), "pid": os.getpid()})
+            state.update_train(TrainProgress(beat_at=time.time(), host=socket.gethostname(), pid=os.getpid()))
         except RedisError:
-            log.warning("run %s: trainer heartbeat failed (Redis unreachable)", run_id)
+            log.warning("run %s: trainer heartbeat failed (Redis unreachable)", state.run_id)
         stop.wait(interval_s)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    cfg = train_config(args)  # bad values fail here, before any waiting
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(TrainConfig, args)  # bad values fail here, before any waiting
     env: Dist = init_distributed()
     logging.basicConfig(
         level=logging.INFO if env.main else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -130,33 +145,32 @@ def main(argv: list[str] | None = None) -> int:
     state = RunState(redis, args.run)
     stop_beat = threading.Event()
     if env.main:
-        beat = threading.Thread(target=heartbeat, args=(redis, args.run, settings.heartbeat_interval_s, stop_beat),
-                                daemon=True, name="heartbeat")  # fmt: skip
+        beat = threading.Thread(target=heartbeat, args=(state, settings.heartbeat_interval_s, stop_beat), daemon=True,
+                                name="heartbeat")  # fmt: skip
         beat.start()
     try:
         wait_for_start(
-            redis, args.run, allow_partial=args.allow_partial, wait_for_gpus=args.wait_for_gpus,
-            poll_s=args.poll_s, announce=env.main,
+            state, allow_partial=args.allow_partial, wait_for_gpus=args.wait_for_gpus, poll_s=args.poll_s,
+            announce=env.main,
         )  # fmt: skip
-        model = args.model or state.meta().get("model_dir") or settings.model
+        model = args.model or state.meta().model_dir or settings.model
         target_dir = resolve_model_dir(model, settings.model_cache_dir)
         if env.main:
-            state.set_stage(Stage.training)
+            state.start_training()
         train(redis=redis, run_id=args.run, data_dir=settings.data_dir, target_dir=target_dir, cfg=cfg, env=env)
         if args.eval_prompts is not None and env.main:
             from eaglet.services.trainer.evaluate import evaluate_run
 
-            state.set_stage(Stage.evaluating)
+            state.start_evaluating()
             evaluate_run(
                 redis=redis, run_id=args.run, data_dir=settings.data_dir, target_dir=target_dir,
                 prompts=args.eval_prompts, k=args.eval_k, max_new_tokens=args.eval_max_new_tokens,
                 num_prompts=args.eval_num_prompts,
             )  # fmt: skip
         if env.main:
-            redis.hset(RunKeys(args.run).train, "state", "done")
-            state.set_stage(Stage.done)
+            state.finish()
         return 0
-    except RunCancelled as e:
+    except (RunCancelled, StageRefused) as e:
         log.warning("run %s: %s; not training", args.run, e)
         return 1
     except KeyboardInterrupt:
@@ -165,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         log.error("run %s: training failed", args.run, exc_info=True)
         if env.main:
-            redis.hset(RunKeys(args.run).train, mapping={"state": "failed", "error": f"{type(e).__name__}: {e}"})
-            state.set_stage(Stage.failed)
+            state.fail(f"{type(e).__name__}: {e}")
         return 1
     finally:
         stop_beat.set()

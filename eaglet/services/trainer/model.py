@@ -76,8 +76,28 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """Default (unscaled) RoPE frequencies [head_dim / 2]; scaled variants are computed by the caller."""
+    """Default (unscaled) RoPE frequencies [head_dim / 2]; ``target_inv_freq`` gives the scaled variants."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def rope_theta(text_config: dict) -> float:
+    params = text_config.get("rope_parameters") or {}
+    return float(params.get("rope_theta", text_config.get("rope_theta", 10000.0)))
+
+
+def target_inv_freq(text_config: dict, head_dim: int) -> torch.Tensor:
+    """RoPE frequencies [head_dim / 2] as the target computes them (scaled variants included, through
+    transformers' table), from its text config."""
+    params = text_config.get("rope_parameters") or text_config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return rope_inv_freq(head_dim, rope_theta(text_config))
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = AutoConfig.for_model(**{k: v for k, v in text_config.items() if k not in ("architectures",)})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float()
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

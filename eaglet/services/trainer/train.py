@@ -1,28 +1,28 @@
 """The training loop: EAGLE-3 training-time test on stored hidden states, any number of processes (torchrun/DDP).
 
-Progress goes to the Redis hash ``RunKeys(run).train`` (written by rank 0 only)::
+Progress goes to the run's ``TrainProgress`` record (the Redis hash ``RunKeys(run).train``, rank 0 only)::
 
-    state           waiting | training | evaluating | done | failed
     step, total_steps, epoch, epochs
     loss            weighted TTT loss of the last step (forward KL, steps weighted 0.8^i)
-    acc             JSON list: per unroll step, the share of loss positions where the drafter's top token is the
-                    target's top token (over the draft vocabulary)
+    acc             per unroll step, the share of loss positions where the drafter's top token is the target's
+                    top token (over the draft vocabulary)
     lr, tokens_per_s (all ranks, padding excluded), eta_s
     last_checkpoint path of the newest trainer checkpoint; drafter_dir once written
     heldout_loss, heldout_acc   on the held-out split, at each checkpoint and at the end
     train_samples, heldout_samples, draft_vocab_size, ttt_steps, world_size, device
-    started_at, updated_at, finished_at (unix s); error (on failure)
+    started_at, updated_at, finished_at (unix s)
 
-Every step's loss and accuracy are also appended to ``<run>/checkpoints/metrics.jsonl`` (the loss curve).
-"""
+Whether the trainer waits, trains, evaluates, is done or failed (and why) is the run's stage, set by the entry point.
+Every step's loss and accuracy are also appended to ``<run>/checkpoints/metrics.jsonl`` (the loss curve)."""
 
 import json
 import logging
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -34,9 +34,11 @@ from torch import nn
 
 from eaglet.services.trainer import checkpoint as ckpt
 from eaglet.services.trainer import data
-from eaglet.services.trainer.model import Drafter, DrafterConfig, rope_inv_freq
+from eaglet.services.trainer.model import Drafter, DrafterConfig, rope_theta, target_inv_freq
 from eaglet.services.trainer.vocab import build_vocab, count_tokens
 from eaglet.shared.keys import RunKeys
+from eaglet.shared.records import RunMeta, TrainProgress
+from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import checkpoints_dir, drafter_dir, samples_dir
 from eaglet.shared.target import model_config
@@ -44,8 +46,15 @@ from eaglet.shared.target import model_config
 log = logging.getLogger(__name__)
 
 
+Attention = Literal["auto", "math", "flex"]
+OovMask = Literal["auto", "on", "off"]
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
+    """The trainer's options. Each field is a flag of ``eaglet.services.trainer.main`` (``ttt_steps``:
+    ``--ttt-steps``), its docstring the flag's help."""
+
     ttt_steps: int = 7
     """Unrolled training-time-test steps; the drafter is trained to draft this many tokens in a chain."""
     step_weight: float = 0.8
@@ -53,34 +62,48 @@ class TrainConfig:
     draft_vocab_size: int = 32768
     """Clipped to the target vocabulary. 32K suits 128K+ vocabularies; 8K-16K for small models."""
     epochs: int = 1
+    """Full passes over the training split (when max_steps is 0)."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: ``epochs`` full passes). The schedule spans the total either way."""
-    max_tokens: int = 16384
+    tokens_per_batch: int = 16384
     """Padded tokens per batch per process; samples are grouped by length under this budget."""
     max_len: int = 8192
     """Longer samples are cut to this many tokens."""
     lr: float = 1e-4
+    """Peak learning rate (AdamW), reached after the warmup, then cosine decay."""
     min_lr_ratio: float = 0.0
+    """The cosine decay ends at lr * min_lr_ratio."""
     warmup_ratio: float = 0.015
+    """Share of the steps over which the learning rate rises linearly to lr."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     grad_clip: float = 0.5
+    """Gradients are clipped to this global norm."""
     checkpoint_every: int = 500
+    """Optimizer steps between checkpoints (each followed by a held-out evaluation)."""
     keep_checkpoints: int = 2
+    """Newest trainer checkpoints kept; older ones are deleted."""
     heldout_fraction: float = 0.05
+    """Share of the samples held out of training (chosen by a hash of the sample id) to measure loss on."""
     seed: int = 0
-    workers: int = 2
+    """Seeds the fresh drafter's weights and the batch order."""
+    loader_workers: int = 2
     """DataLoader processes reading samples ahead of the step (0: read in the loop)."""
-    attention: str = "auto"
+    attention: Attention = "auto"
     """math (scores materialized: short samples, CPU) | flex (block-sparse, O(T * steps) memory) | auto: flex on GPU."""
     init_from_target: bool = True
     """Start lm_head from the target's LM head rows of the draft vocabulary and norm from its final norm."""
-    oov_mask: str = "auto"
+    oov_mask: OovMask = "auto"
     """on | off | auto (on on GPU): drop positions whose target top token (over the full vocabulary) is not in the
     draft vocabulary. Costs a full-vocabulary projection per token; off on CPU for speed."""
     log_every: int = 10
+    """Optimizer steps between progress reports (Redis hash and log)."""
 
     def __post_init__(self):
-        for name in ("ttt_steps", "draft_vocab_size", "max_tokens", "max_len", "checkpoint_every", "keep_checkpoints"):
+        for name in (
+            "ttt_steps", "draft_vocab_size", "tokens_per_batch", "max_len", "checkpoint_every", "keep_checkpoints",
+            "log_every",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.epochs < 1 and self.max_steps < 1:
@@ -89,10 +112,15 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr must be in (0, 1), got {self.lr}")
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"TrainConfig.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
-        if self.attention not in ("auto", "math", "flex"):
-            raise ValueError(f"TrainConfig.attention must be auto, math or flex, got {self.attention!r}")
-        if self.oov_mask not in ("auto", "on", "off"):
-            raise ValueError(f"TrainConfig.oov_mask must be auto, on or off, got {self.oov_mask!r}")
+        if self.loader_workers < 0:
+            raise ValueError(
+                f"TrainConfig.loader_workers must be 0 (read in the loop) or more, got {self.loader_workers}"
+            )
+        for name, choices in (("attention", Attention), ("oov_mask", OovMask)):
+            if getattr(self, name) not in get_args(choices):
+                raise ValueError(
+                    f"TrainConfig.{name} must be one of {', '.join(get_args(choices))}, got {getattr(self, name)!r}"
+                )
 
 
 @dataclass(slots=True)
@@ -195,25 +223,6 @@ def build_drafter(target_dir: Path, draft_ids: torch.Tensor, init_from_target: b
     return model, tensors["lm_head"].float()
 
 
-def rope_theta(text_config: dict) -> float:
-    params = text_config.get("rope_parameters") or {}
-    return float(params.get("rope_theta", text_config.get("rope_theta", 10000.0)))
-
-
-def target_inv_freq(text_config: dict, head_dim: int) -> torch.Tensor:
-    """RoPE frequencies as the target computes them (scaled variants included), through transformers' table."""
-    params = text_config.get("rope_parameters") or text_config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return rope_inv_freq(head_dim, rope_theta(text_config))
-    from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    config = AutoConfig.for_model(**{k: v for k, v in text_config.items() if k not in ("architectures",)})
-    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    return inv_freq.float()
-
-
 def lr_lambda(total: int, warmup: int, min_ratio: float):
     def f(step: int) -> float:
         if step < warmup:
@@ -232,16 +241,15 @@ def read_done(redis: Redis, run_id: str, total: int) -> list[int]:
 class Reporter:
     """Progress of rank 0 to Redis, the console bar and metrics.jsonl; other ranks report nothing."""
 
-    def __init__(self, redis: Redis | None, run_id: str, folder: Path, enabled: bool):
-        self.redis, self.key, self.enabled = redis, RunKeys(run_id).train, enabled
+    def __init__(self, state: RunState | None, folder: Path, enabled: bool):
+        self.state, self.enabled = state, enabled
         self.metrics = folder / "metrics.jsonl"
         self.bar: Progress | None = None
         self.task = None
 
-    def set(self, **fields) -> None:
-        if self.enabled and self.redis is not None:
-            fields = {k: json.dumps(v) if isinstance(v, list | dict) else v for k, v in fields.items()}
-            self.redis.hset(self.key, mapping={**fields, "updated_at": time.time()})
+    def set(self, progress: TrainProgress) -> None:
+        if self.enabled and self.state is not None:
+            self.state.update_train(replace(progress, updated_at=time.time()))
 
     def start_bar(self, total: int, done: int) -> None:
         if self.enabled and sys.stderr.isatty():
@@ -265,12 +273,57 @@ class Reporter:
             self.bar.stop()
 
 
+@dataclass(slots=True)
+class Session:
+    """One training in progress: its run, its model and optimizer, and where it stands."""
+
+    cfg: TrainConfig
+    env: Dist
+    run_id: str
+    data_dir: Path
+    target_dir: Path
+    folder: Path  # the run's checkpoints
+    train_items: list[data.Item]
+    held_items: list[data.Item]
+    aux_layer_ids: list[int]
+    draft_ids: torch.Tensor  # [Vd] target ids of the draft vocabulary
+    objective: TTTObjective
+    model: nn.Module  # the objective, wrapped in DDP across processes
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    rep: Reporter
+    total: int  # optimizer steps of the whole training
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0  # batches of the epoch done: where a resumed epoch starts
+    last: dict = field(default_factory=dict)  # loss and per-step accuracy of the newest step
+    window_tokens: int = 0  # tokens (all ranks) since the last report
+    window_start: float = field(default_factory=time.time)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.env.device.type == "cuda" else torch.float32
+
+
 def train(*, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cfg: TrainConfig, env: Dist) -> dict:
     """Trains the run's drafter and writes ``<run>/drafter/``; resumes from the newest checkpoint if any.
     Returns the final figures (also in the Redis hash)."""
-    data_dir = Path(data_dir)
-    meta = redis.hgetall(RunKeys(run_id).meta) if redis is not None else {}
-    aux_layer_ids = json.loads(meta.get("aux_layer_ids", "null") or "null")
+    s = start(redis, run_id, Path(data_dir), Path(target_dir), cfg, env)
+    try:
+        while s.step < s.total:
+            train_epoch(s)
+    finally:
+        s.rep.close()
+    final = finish(s) if env.main else {}
+    if env.world > 1:
+        dist.barrier()
+    return final
+
+
+def start(redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cfg: TrainConfig, env: Dist) -> Session:
+    """The run's split, the drafter (fresh, or as the newest checkpoint left it) and its optimizer."""
+    state = RunState(redis, run_id) if redis is not None else None
+    meta = state.meta() if state is not None else RunMeta()
     samples = SampleSet(samples_dir(data_dir, run_id))
     indexes = read_done(redis, run_id, len(samples)) if redis is not None else list(range(len(samples)))
     train_items, held_items = data.split_items(samples, indexes, cfg.heldout_fraction)
@@ -278,155 +331,170 @@ def train(*, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path,
         raise RuntimeError(f"run {run_id}: no extracted samples to train on ({len(indexes)} done)")
     folder = checkpoints_dir(data_dir, run_id)
     folder.mkdir(parents=True, exist_ok=True)
+    saved = ckpt.load_latest_state(folder)
+    draft_ids = saved["draft_ids"] if saved is not None else draft_vocab(samples, train_items, target_dir, cfg)
+    objective = make_objective(target_dir, draft_ids, cfg, env)
+    per_epoch = len(epoch_batches(train_items, cfg, env, 0))
+    if per_epoch == 0:
+        raise RuntimeError(f"run {run_id}: {len(train_items)} samples make no batch for {env.world} processes")
+    total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
+    opt = torch.optim.AdamW(objective.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    warmup = max(1, int(cfg.warmup_ratio * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, cfg.min_lr_ratio))
+    s = Session(
+        cfg=cfg, env=env, run_id=run_id, data_dir=data_dir, target_dir=target_dir, folder=folder,
+        train_items=train_items, held_items=held_items, aux_layer_ids=meta.aux_layer_ids or [],
+        draft_ids=draft_ids, objective=objective, model=distribute(objective, env), opt=opt, sched=sched,
+        rep=Reporter(state, folder, env.main), total=total,
+    )  # fmt: skip
+    if saved is not None:
+        resume(s, saved)
+    announce(s, per_epoch)
+    return s
+
+
+def draft_vocab(samples: SampleSet, items: list[data.Item], target_dir: Path, cfg: TrainConfig) -> torch.Tensor:
+    """The draft vocabulary [Vd]: the target ids most frequent in the training split's loss positions."""
+    tcfg = model_config(target_dir)
+    vocab_size = int(tcfg.get("text_config", tcfg)["vocab_size"])
+    counts = count_tokens(((samples[it.index].input_ids, samples[it.index].loss_mask) for it in items), vocab_size)
+    return build_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always=eos_ids(target_dir))
+
+
+def make_objective(target_dir: Path, draft_ids: torch.Tensor, cfg: TrainConfig, env: Dist) -> TTTObjective:
     gpu = env.device.type == "cuda"
-    dtype = torch.bfloat16 if gpu else torch.float32
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if gpu else "math")
     oov = cfg.oov_mask == "on" or (cfg.oov_mask == "auto" and gpu)
-
-    state = ckpt.load_latest_state(folder)
-    if state is not None:
-        draft_ids = state["draft_ids"]
-    else:
-        tcfg = model_config(target_dir)
-        vocab_size = int(tcfg.get("text_config", tcfg)["vocab_size"])
-        counts = count_tokens(
-            ((samples[it.index].input_ids, samples[it.index].loss_mask) for it in train_items), vocab_size
-        )
-        draft_ids = build_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always=eos_ids(target_dir))
     torch.manual_seed(cfg.seed)  # the fresh drafter's weights are the same in every process and rerun
     drafter, target_head = build_drafter(target_dir, draft_ids, cfg.init_from_target)
     objective = TTTObjective(drafter, target_head, cfg, attention, oov).to(env.device)
     objective.set_vocab(draft_ids.to(env.device))
-    model = objective
-    if env.world > 1:
-        model = nn.parallel.DistributedDataParallel(objective, device_ids=[env.local_rank] if gpu else None)
+    return objective
 
-    per_epoch = len(data.shard(data.make_batches(train_items, cfg.max_tokens, cfg.seed, 0), env.rank, env.world))
-    if per_epoch == 0:
-        raise RuntimeError(f"run {run_id}: {len(train_items)} samples make no batch for {env.world} processes")
-    total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lr_lambda(total, max(1, int(cfg.warmup_ratio * total)), cfg.min_lr_ratio)
-    )
-    step, epoch, pos = 0, 0, 0
-    if state is not None:
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        step, epoch, pos = state["step"], state["epoch"], state["batch"]
-        ckpt.set_rng_state(state["rng"])
 
-    rep = Reporter(redis, run_id, folder, env.main)
-    started = time.time()
-    rep.set(
-        state="training", step=step, total_steps=total, epoch=epoch, epochs=cfg.epochs, started_at=started,
-        train_samples=len(train_items), heldout_samples=len(held_items), draft_vocab_size=len(draft_ids),
+def distribute(objective: TTTObjective, env: Dist) -> nn.Module:
+    if env.world == 1:
+        return objective
+    device_ids = [env.local_rank] if env.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(objective, device_ids=device_ids)
+
+
+def epoch_batches(items: list[data.Item], cfg: TrainConfig, env: Dist, epoch: int) -> list[list[data.Item]]:
+    """This rank's batches of ``epoch``: the same on every rerun, so a resumed epoch skips to its place."""
+    return data.shard(data.make_batches(items, cfg.tokens_per_batch, cfg.seed, epoch), env.rank, env.world)
+
+
+def resume(s: Session, saved: dict) -> None:
+    s.objective.drafter.load_state_dict(saved["model"])
+    s.opt.load_state_dict(saved["optimizer"])
+    s.sched.load_state_dict(saved["scheduler"])
+    s.step, s.epoch, s.batch = saved["step"], saved["epoch"], saved["batch"]
+    ckpt.set_rng_state(saved["rng"])
+
+
+def announce(s: Session, per_epoch: int) -> None:
+    cfg, env = s.cfg, s.env
+    s.rep.set(TrainProgress(
+        step=s.step, total_steps=s.total, epoch=s.epoch, epochs=cfg.epochs, started_at=time.time(),
+        train_samples=len(s.train_items), heldout_samples=len(s.held_items), draft_vocab_size=len(s.draft_ids),
         ttt_steps=cfg.ttt_steps, world_size=env.world, device=str(env.device),
-    )  # fmt: skip
+    ))  # fmt: skip
     log.info(
         "run %s: training %d steps (%d a epoch), %d train / %d held-out samples, draft vocab %d, %d TTT steps, "
         "%d process(es) on %s, attention %s",
-        run_id, total, per_epoch, len(train_items), len(held_items), len(draft_ids), cfg.ttt_steps,
-        env.world, env.device, attention,
+        s.run_id, s.total, per_epoch, len(s.train_items), len(s.held_items), len(s.draft_ids),
+        cfg.ttt_steps, env.world, env.device, s.objective.attention,
     )  # fmt: skip
-    rep.start_bar(total, step)
+    s.rep.start_bar(s.total, s.step)
 
-    def save(final: bool = False) -> Path:
-        blob = {
-            "model": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "step": step, "epoch": epoch, "batch": pos, "rng": ckpt.rng_state(), "draft_ids": draft_ids.cpu(),
-            "train_config": asdict(cfg), "drafter_config": drafter.cfg.to_dict(),
-        }  # fmt: skip
-        path = ckpt.save_state(folder, step, blob, cfg.keep_checkpoints)
-        out = ckpt.save_drafter(
-            drafter_dir(data_dir, run_id), drafter, model_config(target_dir), aux_layer_ids or [], dtype
-        )
-        rep.set(last_checkpoint=str(path), drafter_dir=str(out))
-        return path
 
-    window_tokens, window_start, last = 0, time.time(), {}
-    try:
-        while step < total:
-            batches = data.shard(data.make_batches(train_items, cfg.max_tokens, cfg.seed, epoch), env.rank, env.world)
-            batch_set = data.BatchSet(batches, data_dir, run_id, dtype, cfg.max_len)
-            for batch in data.loader(batch_set, pos, cfg.workers):
-                if step >= total:
-                    break
-                b = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
-                with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=gpu):
-                    loss, losses, accs = model(
-                        b["input_ids"], b["loss_mask"], b["hidden_states"], b["aux_hidden_states"]
-                    )
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-                opt.step()
-                sched.step()
-                step, pos = step + 1, pos + 1
-                window_tokens += int(b["tokens"]) * env.world
-                last = {"loss": loss.item(), "acc": [round(a, 4) for a in accs.tolist()]}
-                rep.record({"step": step, **last, "step_losses": losses.tolist(), "grad_norm": float(gnorm)})
-                if step % cfg.log_every == 0 or step == total:
-                    now = time.time()
-                    tps = window_tokens / max(now - window_start, 1e-9)
-                    steps_s = cfg.log_every / max(now - window_start, 1e-9)
-                    eta = (total - step) / max(steps_s, 1e-9)
-                    rep.set(
-                        step=step,
-                        epoch=epoch,
-                        lr=sched.get_last_lr()[0],
-                        tokens_per_s=round(tps, 1),
-                        eta_s=round(eta),
-                        **last,
-                    )
-                    log.info(
-                        "run %s: step %d/%d loss %.4f acc %s %.0f tok/s",
-                        run_id,
-                        step,
-                        total,
-                        last["loss"],
-                        last["acc"],
-                        tps,
-                    )
-                    window_tokens, window_start = 0, now
-                rep.step(step, f"loss {last['loss']:.3f} acc0 {last['acc'][0]:.2f}")
-                if step % cfg.checkpoint_every == 0 and step < total and env.main:
-                    save()
-                    rep.set(**heldout(objective, held_items, data_dir, run_id, dtype, cfg, env))
-            else:
-                epoch, pos = epoch + 1, 0
-    finally:
-        rep.close()
-    final = {}
-    if env.main:
-        path = save(final=True)
-        final = {
-            "step": step,
-            "last_checkpoint": str(path),
-            **last,
-            **heldout(objective, held_items, data_dir, run_id, dtype, cfg, env),
-        }
-        rep.set(**{k: v for k, v in final.items() if k != "acc"}, acc=last.get("acc", []), finished_at=time.time())
-        log.info(
-            "run %s: training done at step %d, held-out %s",
-            run_id,
-            step,
-            {k: final.get(k) for k in ("heldout_loss", "heldout_acc")},
-        )
-    if env.world > 1:
-        dist.barrier()
+def train_epoch(s: Session) -> None:
+    """The rest of the current epoch, or of the training if it ends first; a checkpoint every ``checkpoint_every``."""
+    batches = epoch_batches(s.train_items, s.cfg, s.env, s.epoch)
+    batch_set = data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len)
+    for batch in data.loader(batch_set, s.batch, s.cfg.loader_workers):
+        if s.step >= s.total:
+            return
+        train_step(s, batch)
+        if s.step % s.cfg.checkpoint_every == 0 and s.step < s.total and s.env.main:
+            save(s)
+            s.rep.set(TrainProgress(**heldout(s)))
+    s.epoch, s.batch = s.epoch + 1, 0
+
+
+def train_step(s: Session, batch: dict[str, torch.Tensor]) -> None:
+    """One optimizer step on one batch, recorded in metrics.jsonl and reported every ``log_every`` steps."""
+    env = s.env
+    b = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+    with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
+        loss, losses, accs = s.model(b["input_ids"], b["loss_mask"], b["hidden_states"], b["aux_hidden_states"])
+    s.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(s.objective.drafter.parameters(), s.cfg.grad_clip)
+    s.opt.step()
+    s.sched.step()
+    s.step, s.batch = s.step + 1, s.batch + 1
+    s.window_tokens += int(b["tokens"]) * env.world
+    s.last = {"loss": loss.item(), "acc": [round(a, 4) for a in accs.tolist()]}
+    s.rep.record({"step": s.step, **s.last, "step_losses": losses.tolist(), "grad_norm": float(gnorm)})
+    if s.step % s.cfg.log_every == 0 or s.step == s.total:
+        report(s)
+    s.rep.step(s.step, f"loss {s.last['loss']:.3f} acc0 {s.last['acc'][0]:.2f}")
+
+
+def report(s: Session) -> None:
+    """Progress, with throughput and time left measured since the previous report."""
+    now = time.time()
+    elapsed = max(now - s.window_start, 1e-9)
+    tokens_per_s = s.window_tokens / elapsed
+    eta = (s.total - s.step) / max(s.cfg.log_every / elapsed, 1e-9)
+    lr = s.sched.get_last_lr()[0]
+    figures = TrainProgress(
+        step=s.step, epoch=s.epoch, lr=lr, tokens_per_s=round(tokens_per_s, 1), eta_s=round(eta), **s.last
+    )
+    s.rep.set(figures)
+    log.info(
+        "run %s: step %d/%d loss %.4f acc %s %.0f tok/s",
+        s.run_id, s.step, s.total, s.last["loss"], s.last["acc"], tokens_per_s,
+    )  # fmt: skip
+    s.window_tokens, s.window_start = 0, now
+
+
+def save(s: Session) -> Path:
+    """A resumable checkpoint, and the drafter as SGLang and vLLM load it; returns the checkpoint's path."""
+    drafter = s.objective.drafter
+    blob = {
+        "model": drafter.state_dict(), "optimizer": s.opt.state_dict(), "scheduler": s.sched.state_dict(),
+        "step": s.step, "epoch": s.epoch, "batch": s.batch, "rng": ckpt.rng_state(), "draft_ids": s.draft_ids.cpu(),
+        "train_config": asdict(s.cfg), "drafter_config": drafter.cfg.to_dict(),
+    }  # fmt: skip
+    path = ckpt.save_state(s.folder, s.step, blob, s.cfg.keep_checkpoints)
+    target_config = model_config(s.target_dir)
+    out = ckpt.save_drafter(drafter_dir(s.data_dir, s.run_id), drafter, target_config, s.aux_layer_ids, s.dtype)
+    s.rep.set(TrainProgress(last_checkpoint=str(path), drafter_dir=str(out)))
+    return path
+
+
+def finish(s: Session) -> dict:
+    """Rank 0's last checkpoint and held-out figures; returns the final figures."""
+    path = save(s)
+    final = {"step": s.step, "last_checkpoint": str(path), **s.last, **heldout(s)}
+    s.rep.set(TrainProgress(**final, finished_at=time.time()))
+    figures = {k: final.get(k) for k in ("heldout_loss", "heldout_acc")}
+    log.info("run %s: training done at step %d, held-out %s", s.run_id, s.step, figures)
     return final
 
 
 @torch.no_grad()
-def heldout(objective: TTTObjective, items, data_dir: Path, run_id: str, dtype, cfg: TrainConfig, env: Dist) -> dict:
+def heldout(s: Session) -> dict:
     """Mean TTT loss and per-step accuracy on the held-out samples (rank 0 alone: the split is small)."""
-    if not items:
+    if not s.held_items:
         return {}
+    env, objective = s.env, s.objective
+    batches = data.make_batches(s.held_items, s.cfg.tokens_per_batch, 0, 0)
     objective.eval()
     losses, accs = [], []
-    for batch in data.BatchSet(data.make_batches(items, cfg.max_tokens, 0, 0), data_dir, run_id, dtype, cfg.max_len):
+    for batch in data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len):
         b = {k: v.to(env.device) for k, v in batch.items()}
         with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
             loss, _, acc = objective(b["input_ids"], b["loss_mask"], b["hidden_states"], b["aux_hidden_states"])

@@ -1,0 +1,80 @@
+"""The status figures, read from what the writers keep, at a fixed ``now``."""
+
+from eaglet.shared.heartbeats import beat, report_inference
+from eaglet.shared.records import TrainProgress, WorkerState
+from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared.status import StatusConfig, read_run, read_status
+
+CONFIG = StatusConfig(lost_after_s=10.0)
+
+
+def extracting_run(redis, run_id: str = "r1", total: int = 4) -> RunState:
+    state = RunState(redis, run_id)
+    state.create(dataset="/d/data.jsonl", model="tiny", hidden_size=8)
+    state.start_extraction()
+    state.set_total(total, total * 10)
+    return state
+
+
+def test_unknown_run_is_none(redis):
+    assert read_run(redis, "nope", config=CONFIG) is None
+
+
+def test_extraction_and_storage_figures(redis):
+    state = extracting_run(redis)
+    state.mark_done(0, 10, 400)
+    state.mark_failed(1, "s1", "bad dump")
+    run = read_run(redis, "r1", config=CONFIG).run
+    ex, st = run.extraction, run.storage
+    assert (run.stage, run.dataset, run.model, run.error) == (Stage.extracting, "/d/data.jsonl", "tiny", None)
+    assert (ex.total, ex.done, ex.failed, ex.remaining, ex.percent) == (4, 1, 1, 2, 50.0)
+    assert ex.error_rate == 0.5 and [e.reason for e in ex.last_errors] == ["bad dump"]
+    assert (st.bytes_written, st.tokens_written, st.bytes_per_token, st.total_tokens) == (400, 10, 40.0, 40)
+    assert st.projected_total_bytes == 1600 and st.projected_remaining_bytes == 1200
+
+
+def test_workers_lost_after_their_heartbeats_age(redis):
+    extracting_run(redis)
+    beat(redis, "w1", state=WorkerState.busy, host="h", pid=1, inference_url="u", run="r1", disk_free=5, disk_total=9)
+    beat(redis, "w2", state=WorkerState.stopped, host="h", pid=2, inference_url="u")
+    report_inference(redis, "u", ok=True, model="tiny")
+    later = read_run(redis, "r1", config=CONFIG).generated_at + 11
+    report = read_run(redis, "r1", config=CONFIG, now=later)
+    workers = {w.name: w for w in report.cluster.workers}
+    assert workers["w1"].lost and not workers["w2"].lost  # a stopped worker is gone, not lost
+    assert (report.cluster.workers_live, report.cluster.workers_lost) == (1, 1)
+    assert not report.cluster.inference[0].healthy
+    assert "workers_lost" in {a.kind for a in report.run.alerts}
+    fresh = read_run(redis, "r1", config=CONFIG)
+    assert fresh.cluster.disk_free == 5 and fresh.cluster.inference[0].healthy and fresh.cluster.workers_lost == 0
+
+
+def test_trainer_state_comes_from_the_stage(redis):
+    state = extracting_run(redis, total=1)
+    assert read_run(redis, "r1", config=CONFIG).run.training.state is None
+    state.mark_done(0, 10, 400)
+    state.wait_for_gpus()
+    training = read_run(redis, "r1", config=CONFIG).run.training
+    assert training.state == "waiting"
+    state.start_training()
+    state.update_train(TrainProgress(step=5, total_steps=10, acc=[0.5, 0.25], beat_at=1.0))
+    run = read_run(redis, "r1", config=CONFIG, now=100.0).run
+    assert (run.training.state, run.training.percent, run.training.accuracy) == ("training", 50.0, 0.5)
+    assert "trainer_lost" in {a.kind for a in run.alerts}  # its heartbeat is 99 s old
+    state.fail("CUDA out of memory")
+    run = read_run(redis, "r1", config=CONFIG).run
+    assert (run.training.state, run.training.error, run.error) == ("failed", "CUDA out of memory", "CUDA out of memory")
+
+
+def test_a_run_that_failed_in_ingest_has_no_trainer_state(redis):
+    state = extracting_run(redis)
+    state.fail("ingest stopped")
+    run = read_run(redis, "r1", config=CONFIG).run
+    assert (run.training.state, run.training.error, run.error) == (None, None, "ingest stopped")
+
+
+def test_status_pages_newest_first(redis):
+    for n in range(3):
+        extracting_run(redis, f"run{n}")
+    report = read_status(redis, config=CONFIG, offset=1, limit=1)
+    assert report.runs_total == 3 and [r.run_id for r in report.runs] == ["run1"]
