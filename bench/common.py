@@ -1,4 +1,4 @@
-"""What every CPU benchmark shares: the machine and its load, a Redis of its own, result files.
+"""What every CPU benchmark shares: the machine and its load, result files (Redis: eaglet.shared.redisserver).
 
 Results go to ``bench/results/cpu-<name>.json`` with the date, the machine, the git revision and the load
 average before and after: on a shared machine a figure means little without the load it was taken under.
@@ -7,22 +7,12 @@ average before and after: on a shared machine a figure means little without the 
 import json
 import os
 import platform
-import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
-from redis import Redis
-
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def machine() -> dict:
@@ -37,23 +27,6 @@ def machine() -> dict:
 
 def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
-
-
-def start_redis(folder: Path, *, appendonly: bool = True) -> tuple[subprocess.Popen, str]:
-    """A redis-server of the benchmark's own, AOF on with the default everysec fsync (as compose runs it)."""
-    port = free_port()
-    folder.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "yes" if appendonly else "no", "--dir", str(folder)],
-                            stdout=subprocess.DEVNULL)  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(200):
-        try:
-            if Redis.from_url(url).ping():
-                return proc, url
-        except Exception:
-            time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
 
 
 def save_result(name: str, command: str, figures: dict, load_before: list[float]) -> Path:

@@ -32,13 +32,14 @@ from redis import Redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import free_port, load, save_result, start_redis  # noqa: E402
+from bench.common import load, save_result  # noqa: E402
 from eaglet.cli.stack import LocalStack  # noqa: E402
-from eaglet.services.ingest.ingest import IngestOptions  # noqa: E402
-from eaglet.services.ingest.jobs import start_run  # noqa: E402
+from eaglet.services.ingest.jobs import ingest_new_run  # noqa: E402
 from eaglet.shared.config import Settings  # noqa: E402
 from eaglet.shared.dumpfile import dump_path  # noqa: E402
 from eaglet.shared.ids import make_rid  # noqa: E402
+from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
+from eaglet.shared.runoptions import RunOptions  # noqa: E402
 from eaglet.shared.runstate import RunState  # noqa: E402
 from eaglet.shared.samples import SampleSet  # noqa: E402
 from eaglet.shared.store import samples_dir  # noqa: E402
@@ -91,7 +92,7 @@ def send_all(url: str, prompts: list[list[int]], rids: list[str | None], concurr
 def pipeline_phase(redis: Redis, settings: Settings, run_id: str, limit: int) -> tuple[float, int, int]:
     """Seconds from the ingest call to extraction_complete, tokens and bytes stored."""
     t = time.perf_counter()
-    start_run(redis, settings, run_id, DATASET, IngestOptions(max_tokens=2048, limit=limit))
+    ingest_new_run(redis, settings, run_id, DATASET, RunOptions(max_tokens=2048, limit=limit))
     state = RunState(redis, run_id)
     while not state.extraction_complete():
         time.sleep(0.02)
@@ -114,7 +115,9 @@ def main() -> int:
     folder = args.folder or Path(tempfile.mkdtemp(prefix="bench-pipeline-", dir=ROOT / "var"))
     data_dir, dump_dir = folder / "data", folder / "dump"
     data_dir.mkdir(parents=True, exist_ok=True)
-    redis_proc, redis_url = start_redis(folder / "redis")
+    redis_server = RedisServer(folder / "redis")
+    redis_server.start()
+    redis_url = redis_server.url
     ports = {"dump": free_port(), "nodump": free_port()}
     settings = Settings(redis_url=redis_url, data_dir=data_dir, dump_dir=dump_dir,
                         inference_url=f"http://127.0.0.1:{ports['dump']}")  # fmt: skip
@@ -157,8 +160,7 @@ def main() -> int:
                 phases.append(row)
                 print(json.dumps(row), flush=True)
     finally:
-        redis_proc.terminate()
-        redis_proc.wait(10)
+        redis_server.stop()
     figures = summarize(phases, disk_bps, bytes_per_token)
     figures.update(phases=phases, workers=args.workers, conversations=args.limit)
     print(json.dumps({k: v for k, v in figures.items() if k != "phases"}, indent=1))

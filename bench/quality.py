@@ -27,11 +27,13 @@ from redis.client import NEVER_DECODE
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import free_port, load, save_result, start_redis  # noqa: E402
+from bench.common import load, save_result  # noqa: E402
 from bench.pipeline import pipeline_phase  # noqa: E402
 from eaglet.cli.stack import LocalStack  # noqa: E402
 from eaglet.shared.config import Settings  # noqa: E402
 from eaglet.shared.keys import RunKeys  # noqa: E402
+from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
+from eaglet.shared.runstate import RunState  # noqa: E402
 from eaglet.shared.samples import SampleSet  # noqa: E402
 from eaglet.shared.store import open_sample, read_metadata, sample_path, samples_dir, write_sample  # noqa: E402
 
@@ -77,7 +79,7 @@ def main() -> int:
     p.add_argument("--curve", default="20,60", help="sample counts of the bf16 learning curve")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--max-tokens", type=int, default=1024, help="padded tokens a batch")
+    p.add_argument("--tokens-per-batch", type=int, default=1024, help="padded tokens a batch")
     p.add_argument("--eval-prompts", type=int, default=20)
     p.add_argument("--no-fp8", action="store_true", help="only the learning curve")
     args = p.parse_args()
@@ -85,15 +87,17 @@ def main() -> int:
     (ROOT / "var").mkdir(exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="bench-quality-", dir=ROOT / "var"))
     data_dir = folder / "data"
-    redis_proc, redis_url = start_redis(folder / "redis")
+    redis_server = RedisServer(folder / "redis")
+    redis_server.start()
+    redis_url = redis_server.url
     port = free_port()
     settings = Settings(redis_url=redis_url, data_dir=data_dir, dump_dir=folder / "dump",
                         inference_url=f"http://127.0.0.1:{port}")  # fmt: skip
     env = {"EAGLET_REDIS_URL": redis_url, "EAGLET_DATA_DIR": str(data_dir), "EAGLET_DUMP_DIR": str(folder / "dump"),
            "EAGLET_INFERENCE_URL": settings.inference_url}  # fmt: skip
-    flags = ["--ttt-steps", "3", "--draft-vocab-size", "4096", "--max-len", "512", "--workers", "0",
+    flags = ["--ttt-steps", "3", "--draft-vocab-size", "4096", "--max-len", "512", "--loader-workers", "0",
              "--checkpoint-every", "100000", "--epochs", str(args.epochs), "--lr", str(args.lr),
-             "--max-tokens", str(args.max_tokens), "--eval-k", "3", "--eval-max-new-tokens", "64",
+             "--tokens-per-batch", str(args.tokens_per_batch), "--eval-k", "3", "--eval-max-new-tokens", "64",
              "--eval-num-prompts", str(args.eval_prompts)]  # fmt: skip
     figures: dict = {"conversations": args.limit, "train_flags": " ".join(flags), "runs": []}
     try:
@@ -114,18 +118,17 @@ def main() -> int:
             stored = derive_run(redis, data_dir, "src", run, store_dtype, n)
             row = {"run": run, "store_dtype": store_dtype, "samples": n, "stored_bytes": stored, "load": load()}
             row.update(train_and_eval(run, env, flags, folder / "logs"))
-            train, result = redis.hgetall(RunKeys(run).train), redis.hgetall(RunKeys(run).eval)
+            state = RunState(redis, run)
+            train, result = state.train(), state.eval()
             row.update(
-                train_samples=int(train["train_samples"]), steps=int(train["step"]),
-                train_tokens_per_s=float(train["tokens_per_s"]), heldout_loss=float(train.get("heldout_loss", "nan")),
-                accept_length=float(result["accept_length"]), accept_rate=json.loads(result["accept_rate"]),
-                eval_mismatches=int(result["mismatches"]), eval_prompts=int(result["prompts"]),
+                train_samples=train.train_samples, steps=train.step, train_tokens_per_s=train.tokens_per_s,
+                heldout_loss=train.heldout_loss, accept_length=result.accept_length, accept_rate=result.accept_rate,
+                eval_mismatches=result.mismatches, eval_prompts=result.prompts,
             )  # fmt: skip
             figures["runs"].append(row)
             print(json.dumps(row), flush=True)
     finally:
-        redis_proc.terminate()
-        redis_proc.wait(10)
+        redis_server.stop()
         shutil.rmtree(folder, ignore_errors=True)
     by = {r["run"]: r for r in figures["runs"]}
     top = max(int(n) for n in args.curve.split(","))

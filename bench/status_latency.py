@@ -28,9 +28,10 @@ from redis import Redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import free_port, start_redis  # noqa: E402
 from eaglet.shared.heartbeats import WorkerState, beat, report_inference  # noqa: E402
 from eaglet.shared.keys import RunKeys  # noqa: E402
+from eaglet.shared.records import RunMeta  # noqa: E402
+from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
 from eaglet.shared.runstate import ERRORS_CAP, RECENT_CAP, RunState  # noqa: E402
 
 
@@ -38,9 +39,10 @@ def seed(redis: Redis, run_id: str, samples: int, workers: int) -> None:
     """A run 90 % extracted, 0.5 % failed, with everything the writers keep for it."""
     k, now = RunKeys(run_id), time.time()
     done, failed = samples * 9 // 10, samples // 200
-    RunState(redis, run_id).create(dataset="/datasets/big.jsonl", model="bench", hidden_size=7168, num_layers=61)
-    redis.hset(k.meta, mapping={"stage": "extracting", "total": samples, "total_tokens": samples * 2350,
-                                "extraction_started_at": now - 3600})  # fmt: skip
+    state = RunState(redis, run_id)
+    state.create(dataset="/datasets/big.jsonl", model="bench", hidden_size=7168, num_layers=61)
+    state.start_extraction()
+    state.update_meta(RunMeta(total=samples, total_tokens=samples * 2350, extraction_started_at=now - 3600))
     redis.hset(k.counts, mapping={"done": done, "failed": failed, "tokens": done * 2350, "bytes": done * 2350 * 57344,
                                   "errors": failed * 2, "retries": failed, "last_done_at": now})  # fmt: skip
     redis.setrange(k.done, 0, b"\xff" * (done // 8))  # the first 90 % done, bit by bit
@@ -129,7 +131,10 @@ def main() -> int:
     args = p.parse_args()
     random.seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        redis_proc, redis_url = (None, args.redis_url) if args.redis_url else start_redis(Path(tmp), appendonly=False)
+        redis_server = None if args.redis_url else RedisServer(Path(tmp), appendonly=False)
+        if redis_server:
+            redis_server.start()
+        redis_url = args.redis_url or redis_server.url
         gateway = None
         try:
             redis = Redis.from_url(redis_url, decode_responses=True)
@@ -154,9 +159,8 @@ def main() -> int:
             if gateway:
                 gateway.terminate()
                 gateway.wait(10)
-            if redis_proc:
-                redis_proc.terminate()
-                redis_proc.wait(10)
+            if redis_server:
+                redis_server.stop()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 # The Python dependencies every eaglet image shares: one base, built once, its layers stored once.
 #
-# The four service images (eaglet/services/<name>/Dockerfile) start FROM this one and add only the code, so a
-# code change rebuilds seconds of layers, never torch. docker/build-images.sh builds this first, then
-# the services: Compose has no build order between images, so `docker compose build` alone cannot.
+# The eaglet image (docker/Dockerfile) starts FROM this one and adds only the code, so a code change
+# rebuilds seconds of layers, never torch. docker/build-images.sh builds this first, then the eaglet
+# image: Compose has no build order between images, so `docker compose build` alone cannot.
 #
 # torch comes from its own index (TORCH_INDEX_URL: the CPU build by default; a CUDA index such as
 # https://download.pytorch.org/whl/cu128 on a GPU host), or from a wheel file put in docker/wheels/ and

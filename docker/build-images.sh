@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds eaglet's images: the shared dependency image (eaglet-base), then the service images.
+# Builds eaglet's images: the dependency image (eaglet-base), then the eaglet image every service runs
+# (docker/Dockerfile) and, in the gpu profile, the SGLang inference image.
 #
 #   bash docker/build-images.sh                     # the profiles of COMPOSE_PROFILES (.env)
 #   bash docker/build-images.sh --profile cpu       # arguments go to compose, before `build`

@@ -2,6 +2,7 @@
 
 python docker/healthcheck.py http URL    # 200 from URL; sends the bearer token if EAGLET_API_TOKEN is set
 python docker/healthcheck.py worker      # an extractor of this container beat within 3 intervals
+python docker/healthcheck.py control     # an RQ worker of this container is registered on the control queue
 python docker/healthcheck.py file PATH   # PATH was touched within EAGLET_HEALTH_MAX_AGE_S (default 60)
 """
 
@@ -36,6 +37,18 @@ def worker() -> bool:
     return any(b["host"] == host and now - b["ts"] < 3 * settings.heartbeat_interval_s for b in beats)
 
 
+def control() -> bool:
+    # RQ forgets a worker once its own heartbeat key expires: registered means its loop runs and reaches Redis.
+    from redis import Redis
+    from rq import Queue, Worker
+
+    from eaglet.shared.config import Settings
+    from eaglet.shared.keys import CONTROL_QUEUE
+
+    queue = Queue(CONTROL_QUEUE, connection=Redis.from_url(Settings().redis_url, socket_timeout=5))
+    return any(w.hostname == socket.gethostname() for w in Worker.all(queue=queue))
+
+
 def fresh_file(path: str) -> bool:
     return time.time() - Path(path).stat().st_mtime < float(os.environ.get("EAGLET_HEALTH_MAX_AGE_S", "60"))
 
@@ -43,7 +56,7 @@ def fresh_file(path: str) -> bool:
 def main(argv: list[str]) -> int:
     kind, *args = argv
     try:
-        ok = {"http": http, "worker": worker, "file": fresh_file}[kind](*args)
+        ok = {"http": http, "worker": worker, "control": control, "file": fresh_file}[kind](*args)
     except Exception as e:  # the check's boundary: any failure is "unhealthy", said in one line
         sys.stderr.write(f"unhealthy: {type(e).__name__}: {e}\n")
         return 1

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Debian packages eaglet's tests and demo need beyond Python: installed once, skipped when present.
+# Installs the Debian packages named as arguments, those whose command is missing: each package here
+# has a command of its own name (redis-server, chromium). `make redis` asks for redis-server, which the
+# demo needs; `make test` also asks for chromium, which only the gateway page's tests run.
 set -euo pipefail
 need=()
-command -v redis-server >/dev/null || need+=(redis-server)
-command -v chromium >/dev/null || need+=(chromium)  # the gateway page tests run it headless
+for package in "$@"; do
+  command -v "$package" >/dev/null || need+=("$package")
+done
 if [ ${#need[@]} -gt 0 ]; then
   sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
   echo "installing Debian packages: ${need[*]}"

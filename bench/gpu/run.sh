@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # run.sh "PARTS" [PHASE...]: on the GPU machine, from the repo root. Installs the staged parts named in PARTS
-# (bench/gpu/install.sh), prints the machine's facts the first time, then runs bench/gpu/issue9.py's phases.
-# Results: $OUT/<phase>.json, $OUT/issue9.log, $OUT/logs.tgz (server, worker and trainer logs).
+# (bench/gpu/install.sh), prints the machine's facts the first time, then runs bench/gpu/phases.py's phases.
+# Results: $OUT/<phase>.json, $OUT/machine.txt; each call's logs in a folder of their own, $OUT/logs/<call>/:
+# install.log, phases.log, logs.tgz (server, worker and trainer logs).
 set -u
-OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"; export OUT
-bash bench/gpu/install.sh $1 2>&1 | tee -a "$OUT/install.log"
+OUT=${OUT:-$PWD/gpu-out}; export OUT
+export GPUBENCH_CALL=${GPUBENCH_CALL:-$(date -u +%Y%m%d-%H%M%S)}
+LOGS=$OUT/logs/$GPUBENCH_CALL; mkdir -p "$LOGS"
+bash bench/gpu/install.sh $1 2>&1 | tee -a "$LOGS/install.log"
 shift
 if [ ! -f /root/stage/info.done ]; then
   { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; uname -r
@@ -17,4 +20,4 @@ if [ ! -f /root/stage/info.done ]; then
 fi
 [ $# -gt 0 ] || exit 0
 export PYTHONPATH=$PWD:/root/stage/esite:/root/stage/site PYTHONUNBUFFERED=1
-timeout ${ISSUE9_TIMEOUT:-570} python3 bench/gpu/issue9.py "$@" 2>&1 | tee "$OUT/issue9.log"
+timeout ${GPUBENCH_TIMEOUT:-570} python3 bench/gpu/phases.py "$@" 2>&1 | tee "$LOGS/phases.log"

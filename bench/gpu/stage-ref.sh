@@ -2,7 +2,7 @@
 # stage-ref.sh: the one part the reference-server runs need on the bare GPU machine (no SGLang), in one send:
 #   .stage/pr   eaglet's Python needs the image lacks (FastAPI, uvicorn, pydantic, redis, rq, ...) as py3.12
 #               wheels, Debian bookworm's redis-server unpacked, SmolLM2's tokenizer (for the model builder)
-# Then: bash bench/gpu/run.sh .stage/pr models ref8b       (ISSUE9_MODELS=8b builds only the 8B shape)
+# Then: bash bench/gpu/run.sh .stage/pr models ref8b       (GPUBENCH_MODELS=8b builds only the 8B shape)
 set -euo pipefail
 REPO=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 PR=$REPO/.stage/pr; WORK=$REPO/.stage/work

@@ -2,7 +2,7 @@
 # stage.sh: prepare, on a machine with PyPI and Debian's apt, everything a bare H200 machine (Python 3.12,
 # torch 2.11.0+cu130, no package registry, no Redis) needs for the GPU runs in bench/gpu/.
 #
-#   bash bench/gpu/stage.sh          (from the repo root; PY312=<a Python 3.12> if python3.12 is not on PATH)
+#   bash bench/gpu/stage.sh          (from the repo root; PY312=<a Python 3.12> if none is found, see below)
 #
 # Writes git-ignored folders under .stage/, each sent to the GPU machine with one command (64 MiB a send,
 # working tree included):
@@ -19,7 +19,17 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(git -C "$HERE" rev-parse --show-toplevel)
 STAGE=$REPO/.stage
 WORK=${WORK:-$STAGE/work}
-PY312=${PY312:-python3.12}
+# A Python 3.12: PY312, else `python3.12` if it runs (a pyenv shim with no 3.12 selected does not), else
+# pyenv's newest 3.12, else uv's.
+find_py312() {
+  if python3.12 -c '' 2>/dev/null; then echo python3.12; return; fi
+  local newest
+  newest=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -n 1)
+  if [ -n "$newest" ]; then echo "$newest"; return; fi
+  if command -v uv >/dev/null; then uv python find 3.12 2>/dev/null || true; fi
+}
+PY312=${PY312:-$(find_py312)}
+[ -n "$PY312" ] || { echo "stage.sh: no Python 3.12 found; set PY312=<a python3.12>" >&2; exit 1; }
 mkdir -p "$WORK/dl" "$WORK/trim" "$STAGE/p1" "$STAGE/p2"
 rm -f "$STAGE"/p1/* "$STAGE"/p2/* 2>/dev/null || true
 rm -rf "$STAGE/p1/redis"

@@ -16,7 +16,7 @@ from redis import Redis
 
 from eaglet.services.trainer import main as trainer_main
 from eaglet.shared.config import Settings
-from eaglet.shared.keys import RunKeys
+from eaglet.shared.runstate import RunState
 
 
 def run() -> int:
@@ -30,7 +30,7 @@ def run() -> int:
         "rc": rc,
         "argv": argv,
         "wall_s": round(wall, 1),
-        "train_hash": redis.hgetall(RunKeys(run_id).train),
+        "train_hash": RunState(redis, run_id).train().to_redis(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "peak_allocated_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if torch.cuda.is_available()

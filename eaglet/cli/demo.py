@@ -1,12 +1,12 @@
 """``eaglet demo``: the whole job on the bundled SmolLM2-135M-Instruct, on this machine.
 
-Starts Redis (if none answers), the reference inference server and two extractor workers as local
-processes, ingests the demo conversations, extracts every sample's hidden states, then trains a
-drafter and measures its acceptance length. Ends by saying where everything is.
+Starts Redis (if none answers), the reference inference server, an ingest worker and two extractor
+workers as local processes, creates a run of the demo conversations and queues its ingest (as the
+gateway's ``POST /runs`` does), extracts every sample's hidden states, then trains a drafter and
+measures its acceptance length. Ends by saying where everything is.
 """
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -17,10 +17,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from eaglet.cli.stack import LocalStack
-from eaglet.services.ingest.ingest import IngestOptions
-from eaglet.services.ingest.jobs import start_run
+from eaglet.services.ingest.runs import create_run
 from eaglet.shared.config import Settings
-from eaglet.shared.keys import RunKeys
+from eaglet.shared.jobqueue import enqueue_ingest
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.store import drafter_dir, hidden_dir, run_dir
 
@@ -30,7 +30,7 @@ DEMO_EVAL = ROOT / "data" / "demo" / "eval.jsonl"
 # Sized for a 2-core CPU: a few minutes of training, a short evaluation. A GPU run uses the defaults.
 # A small drafter learns from 59 k tokens only with a higher rate and small batches (many updates).
 DEMO_TRAIN_FLAGS = ["--ttt-steps", "2", "--draft-vocab-size", "4096", "--epochs", "3", "--max-len", "512"]
-DEMO_TRAIN_FLAGS += ["--max-tokens", "2048", "--workers", "0", "--checkpoint-every", "50", "--lr", "1e-3"]
+DEMO_TRAIN_FLAGS += ["--tokens-per-batch", "2048", "--loader-workers", "0", "--checkpoint-every", "50", "--lr", "1e-3"]
 DEMO_EVAL_FLAGS = ["--eval-k", "2", "--eval-max-new-tokens", "48"]
 
 
@@ -57,18 +57,21 @@ def main(argv: list[str] | None = None) -> int:
         stack.wait_http("inference", f"{settings.inference_url}/health", timeout=300)
         stack.wait_http("gateway", f"http://127.0.0.1:{args.gateway_port}/status", timeout=60)
         console.print(f"live status: http://127.0.0.1:{args.gateway_port}/  (JSON: /status, Prometheus: /metrics)")
+        stack.start("ingest", "eaglet.services.ingest.worker", "--name", "demo-ingest")
         for i in range(args.workers):
             stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"demo-worker-{i}")
-        result = start_run(redis, settings, run_id, args.dataset, IngestOptions(max_tokens=2048, limit=args.limit))
-        console.print(f"ingested {result.samples} samples, {result.tokens} tokens ({result.bad_lines} bad lines)")
-        state = RunState(redis, run_id)
-        _follow_extraction(console, state, result.samples)
+        state = create_run(redis, run_id, args.dataset, RunOptions(max_tokens=2048, limit=args.limit))
+        enqueue_ingest(Redis.from_url(settings.redis_url), run_id)  # RQ's jobs are pickled bytes: a client of its own
+        total = _wait_for_ingest(console, state, stack.log_dir)
+        if total is None:
+            return 1
+        _follow_extraction(console, state, total)
         stack.stop("inference")  # extraction is complete: the server's memory (GPUs, in production) is free
-        for i in range(args.workers):
-            stack.stop(f"worker-{i}")
+        for name in ["ingest", *(f"worker-{i}" for i in range(args.workers))]:
+            stack.stop(name)
         _report_extraction(console, state, settings)
         trained = _train_and_evaluate(console, run_id, args.max_steps, args.eval_prompts, stack.log_dir)
-        _report_training(console, redis, state, settings)
+        _report_training(console, state, settings)
     return 0 if trained and state.stage() == Stage.done else 1
 
 
@@ -88,6 +91,19 @@ def _train_and_evaluate(console: Console, run_id: str, max_steps: int, eval_prom
     return done.returncode == 0
 
 
+def _wait_for_ingest(console: Console, state: RunState, log_dir: Path) -> int | None:
+    """The run's sample count once the ingest worker has read the whole dataset; None if the ingest failed."""
+    with console.status("ingesting the dataset"):
+        while state.meta().total is None and state.stage() != Stage.failed:
+            time.sleep(0.2)
+    meta = state.meta()
+    if meta.stage == Stage.failed:
+        console.print(f"[red]ingest failed[/]: {meta.error} (see {log_dir / 'ingest.log'})")
+        return None
+    console.print(f"ingested {meta.total} samples, {meta.total_tokens} tokens ({meta.bad_lines} bad lines)")
+    return meta.total
+
+
 def _follow_extraction(console: Console, state: RunState, total: int) -> None:
     columns = (TextColumn("extracting"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"))
     with Progress(*columns, TimeRemainingColumn(), console=console) as progress:
@@ -102,7 +118,7 @@ def _follow_extraction(console: Console, state: RunState, total: int) -> None:
 
 def _report_extraction(console: Console, state: RunState, settings: Settings) -> None:
     meta, counts = state.meta(), state.counts()
-    seconds = float(meta["extraction_complete"]) - float(meta["extraction_started_at"])
+    seconds = meta.extraction_complete - meta.extraction_started_at
     tokens, nbytes = counts.get("tokens", 0), counts.get("bytes", 0)
     console.print(
         f"extraction complete: {counts.get('done', 0)} done, {counts.get('failed', 0)} failed, "
@@ -115,20 +131,20 @@ def _report_extraction(console: Console, state: RunState, settings: Settings) ->
     console.print(f"run directory: {run_dir(settings.data_dir, state.run_id)}")
 
 
-def _report_training(console: Console, redis: Redis, state: RunState, settings: Settings) -> None:
-    train, result = redis.hgetall(RunKeys(state.run_id).train), redis.hgetall(RunKeys(state.run_id).eval)
-    if train:
+def _report_training(console: Console, state: RunState, settings: Settings) -> None:
+    train, result = state.train(), state.eval()
+    if train.step is not None:
+        loss = "?" if train.loss is None else f"{train.loss:.3f}"
         console.print(
-            f"training: {train.get('step')} steps on {train.get('train_samples')} samples, "
-            f"loss {float(train.get('loss', 'nan')):.3f}, {float(train.get('tokens_per_s', 0)):.0f} tokens/s"
+            f"training: {train.step} steps on {train.train_samples} samples, "
+            f"loss {loss}, {train.tokens_per_s or 0:.0f} tokens/s"
         )
     console.print(f"drafter (loads in SGLang and vLLM as EAGLE-3): {drafter_dir(settings.data_dir, state.run_id)}")
-    if result:
-        per_position = json.loads(result.get("accept_rate", "[]"))
+    if result.accept_length is not None:
         console.print(
-            f"[bold green]acceptance length {float(result.get('accept_length', 0)):.2f}[/] "
-            f"(k={result.get('k')}, {result.get('prompts')} held-out prompts; outputs equal plain greedy: "
-            f"{'yes' if result.get('mismatches') == '0' else 'NO'}; "
-            f"per position {', '.join(f'{p:.2f}' for p in per_position)}; "
-            f"speed-up vs the target alone {float(result.get('speedup', 0)):.2f}x)"
+            f"[bold green]acceptance length {result.accept_length:.2f}[/] "
+            f"(k={result.k}, {result.prompts} held-out prompts; outputs equal plain greedy: "
+            f"{'yes' if result.mismatches == 0 else 'NO'}; "
+            f"per position {', '.join(f'{p:.2f}' for p in result.accept_rate or [])}; "
+            f"speed-up vs the target alone {result.speedup or 0:.2f}x)"
         )

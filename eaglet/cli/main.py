@@ -2,6 +2,7 @@
 
 eaglet ingest DATASET --run ID     tokenize a JSONL dataset into a run and queue its samples
 eaglet ingest --run ID --resume    take up a run's ingest where it last flushed (its process died)
+eaglet ingest-worker               an ingest worker: ingests the runs queued by the gateway
 eaglet serve                       the reference inference server (transformers)
 eaglet worker                      an extractor worker
 eaglet gateway                     the HTTP status and control service
@@ -17,16 +18,18 @@ import argparse
 import importlib
 import logging
 import sys
-from pathlib import Path
 
-# Commands that are a service's own entry point: ``main(argv)`` of the module, imported on use.
+# Each command is an entry point's ``main(argv)``, imported on use.
 ENTRY_POINTS = {
+    "ingest": "eaglet.services.ingest.main",
+    "ingest-worker": "eaglet.services.ingest.worker",
     "serve": "eaglet.services.inference.main",
     "worker": "eaglet.services.extractor.worker",
     "gateway": "eaglet.services.gateway.main",
     "train": "eaglet.services.trainer.main",
     "eval": "eaglet.services.trainer.evaluate",
     "status": "eaglet.cli.status",
+    "regenerate": "eaglet.services.ingest.regenerate",
     "demo": "eaglet.cli.demo",
 }
 
@@ -39,77 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ENTRY_POINTS:
         sub.add_parser(name, help=f"see: eaglet {name} --help")
-    ingest = sub.add_parser("ingest", help="tokenize a JSONL dataset into a run and queue its samples")
-    ingest.add_argument("dataset", type=Path, nargs="?", help="JSONL dataset (not with --resume)")
-    ingest.add_argument("--run", required=True, help="run id: letters, digits, '.', '_', '-'")
-    ingest.add_argument("--resume", action="store_true", help="take up the run's ingest where it last flushed")
-    ingest.add_argument("--max-tokens", type=int, default=4096)
-    ingest.add_argument("--overlong", choices=["truncate", "reject"], default="reject")
-    ingest.add_argument("--limit", type=int)
-    regen = sub.add_parser("regenerate", help="the target's own answers to prompts")
-    regen.add_argument("prompts", type=Path, help='JSONL of {"id", "prompt"}')
-    regen.add_argument("out", type=Path)
-    regen.add_argument("--max-new-tokens", type=int, default=256)
-    regen.add_argument("--temperature", type=float, default=0.0)
-    regen.add_argument("--concurrency", type=int, default=8)
     sub.add_parser("prepare-model", help="convert the bundled target model once")
-    args = parser.parse_args(argv)
-    if args.command == "ingest" and (args.dataset is None) != args.resume:
-        parser.error("ingest: give a DATASET for a new run, or --resume for a run whose ingest died (not both)")
+    parser.parse_args(argv)  # reached only for prepare-model, --help and unknown commands
+    return prepare_model()
+
+
+def prepare_model() -> int:
+    from eaglet.shared.config import Settings
+    from eaglet.shared.target import resolve_model_dir
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"ingest": ingest_command, "regenerate": regenerate_command, "prepare-model": prepare_model}[args.command](
-        args
-    )
-
-
-def ingest_command(args: argparse.Namespace) -> int:
-    from redis import Redis
-
-    from eaglet.services.ingest.ingest import IngestOptions
-    from eaglet.services.ingest.jobs import resume_run, start_run
-    from eaglet.shared.config import Settings
-
     settings = Settings()
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)
-    if args.resume:
-        result = resume_run(redis, settings, args.run)
-    else:
-        options = IngestOptions(max_tokens=args.max_tokens, overlong=args.overlong, limit=args.limit)
-        result = start_run(redis, settings, args.run, args.dataset, options)
-    print(f"run {args.run}: {result.samples} samples, {result.tokens} tokens queued; {result.bad_lines} bad lines")
-    for error in result.errors:
-        print(f"  {error}")
-    return 0 if result.samples else 1
-
-
-def regenerate_command(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
-    from eaglet.services.ingest.regenerate import regenerate
-    from eaglet.shared.config import Settings
-    from eaglet.shared.target import resolve_model_dir
-
-    settings = Settings()
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(settings.model, settings.model_cache_dir))
-    n = regenerate(
-        args.prompts,
-        args.out,
-        tokenizer,
-        settings.inference_url,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        concurrency=args.concurrency,
-    )
-    print(f"{n} conversations written to {args.out}")
-    return 0
-
-
-def prepare_model(args: argparse.Namespace) -> int:
-    from eaglet.shared.config import Settings
-    from eaglet.shared.target import resolve_model_dir
-
-    settings = Settings()
-    print(resolve_model_dir(settings.model, settings.model_cache_dir))
+    sys.stdout.write(f"{resolve_model_dir(settings.model, settings.model_cache_dir)}\n")
     return 0
 
 

@@ -3,7 +3,6 @@ server, extractor workers, the gateway. The demo and the end-to-end tests start 
 """
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +11,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
-from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
+
+from eaglet.shared.redisserver import RedisServer, RedisServerError, ping
 
 
 class StackError(RuntimeError):
@@ -62,25 +61,17 @@ class LocalStack:
 
     def ensure_redis(self, url: str, data_dir: Path) -> None:
         """Uses the Redis at ``url`` if it answers; else starts a local redis-server (AOF on) there."""
-        if _ping(url):
+        if ping(url):
             return
         parsed = urlparse(url)
-        if parsed.hostname not in ("127.0.0.1", "localhost") or shutil.which("redis-server") is None:
-            raise StackError(f"no Redis answers at {url}, and none can be started here (install redis-server)")
-        data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / "redis.log", "ab")
-        self.procs["redis"] = subprocess.Popen(
-            ["redis-server", "--port", str(parsed.port or 6379), "--bind", "127.0.0.1", "--dir", str(data_dir)]
-            + ["--appendonly", "yes"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 10
-        while not _ping(url):
-            if time.monotonic() > deadline:
-                raise StackError(f"redis-server did not answer at {url}; see {self.log_dir}/redis.log")
-            time.sleep(0.1)
+        if parsed.hostname not in ("127.0.0.1", "localhost"):
+            raise StackError(f"no Redis answers at {url}, and none can be started on another host")
+        server = RedisServer(data_dir, parsed.port or 6379, log=self.log_dir / "redis.log")
+        try:
+            server.start()
+        except RedisServerError as e:
+            raise StackError(str(e)) from e
+        self.procs["redis"] = server.proc
 
     def stop(self, name: str | None = None, timeout: float = 20) -> None:
         """SIGTERM, then SIGKILL after ``timeout``; Redis last, so the others can say goodbye to it."""
@@ -98,10 +89,3 @@ class LocalStack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def _ping(url: str) -> bool:
-    try:
-        return bool(Redis.from_url(url, socket_connect_timeout=1).ping())
-    except RedisConnectionError:
-        return False

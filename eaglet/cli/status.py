@@ -13,7 +13,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from eaglet.services.gateway.settings import GatewaySettings
+from eaglet.shared.config import StatusSettings
 from eaglet.shared.status import Cluster, RunStatus, StatusConfig, disk_usage, read_run, read_status
 
 
@@ -112,7 +112,7 @@ def snapshot(redis: Redis, args: argparse.Namespace, config: StatusConfig, disk)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    settings = GatewaySettings()
+    settings = StatusSettings()
     redis = Redis.from_url(args.redis_url or settings.redis_url, decode_responses=True)
     config, console = settings.status_config(), Console()
     disk = disk_usage(settings.data_dir)

@@ -11,6 +11,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from eaglet.shared.records import HEARTBEAT_INTERVAL_S, LOST_AFTER_BEATS
+from eaglet.shared.status import StatusConfig
 
 
 class Settings(BaseSettings):
@@ -52,6 +53,10 @@ class Settings(BaseSettings):
     lost_heartbeats: float = Field(LOST_AFTER_BEATS, gt=0)
     """A worker or a trainer is lost when its heartbeat is older than this many heartbeat intervals."""
 
+    release_gpus_when_done: bool = False
+    """One GPU set serves both services in turn: the inference service frees it once no run is extracting (and
+    sets ``gpus_released`` on the runs that wait), and the trainer waits for that before it trains."""
+
     api_token: str = ""
     """Bearer token for the gateway's run-control endpoints. Empty disables them."""
 
@@ -59,3 +64,30 @@ class Settings(BaseSettings):
     def lost_after_s(self) -> float:
         """Seconds without a heartbeat after which a worker or a trainer is taken for dead."""
         return self.lost_heartbeats * self.heartbeat_interval_s
+
+
+class StatusSettings(Settings):
+    """How the status figures are judged: read by the gateway and by ``eaglet status``."""
+
+    status_window_s: float = Field(60.0, gt=0)
+    """Rates and the recent error rate are taken over this many seconds."""
+
+    stall_factor: float = Field(5.0, gt=0)
+    """Stalled: no completion for this many times the usual interval between completions..."""
+
+    stall_min_s: float = Field(60.0, gt=0)
+    """...and never for less than this."""
+
+    error_rate_threshold: float = Field(0.05, ge=0, le=1)
+
+    status_max_runs: int = Field(100, ge=1)
+    """Most runs one /status page or one /metrics scrape reads."""
+
+    def status_config(self) -> StatusConfig:
+        return StatusConfig(
+            window_s=self.status_window_s,
+            stall_factor=self.stall_factor,
+            stall_min_s=self.stall_min_s,
+            lost_after_s=self.lost_after_s,
+            error_rate_threshold=self.error_rate_threshold,
+        )

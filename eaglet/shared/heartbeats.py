@@ -1,7 +1,7 @@
-"""Who is alive: extractor workers and the inference servers they talk to.
+"""Who is alive: the workers (extractor and ingest) and the inference servers the extractors talk to.
 
-Workers write a heartbeat every few seconds (``keys.WORKERS``, one hash field per worker) and the
-health of their inference server (``keys.INFERENCE``, one field per server URL). Readers judge a
+Workers write a heartbeat every few seconds (``keys.WORKERS``, one hash field per worker); extractors also write
+the health of their inference server (``keys.INFERENCE``, one field per server URL). Readers judge a
 worker lost when its heartbeat is older than ``LOST_AFTER_BEATS`` intervals (``WorkerBeat.lost``); nothing here
 is ever scanned per sample. The values are the records of eaglet/shared/records.py.
 """
@@ -11,7 +11,7 @@ import time
 from redis import Redis
 
 from eaglet.shared import keys
-from eaglet.shared.records import InferenceBeat, WorkerBeat, WorkerState
+from eaglet.shared.records import InferenceBeat, WorkerBeat, WorkerRole, WorkerState
 
 
 def beat(
@@ -28,6 +28,7 @@ def beat(
     disk_free: int | None = None,
     disk_total: int | None = None,
     instance: str = "",
+    role: WorkerRole = WorkerRole.extractor,
     stage_seconds: dict[str, float] | None = None,
 ) -> None:
     """Records one worker's state now (the fields are those of ``WorkerBeat``)."""
@@ -36,6 +37,7 @@ def beat(
         state=state,
         ts=time.time(),
         instance=instance,
+        role=role,
         host=host,
         pid=pid,
         inference_url=inference_url,

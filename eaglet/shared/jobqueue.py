@@ -1,20 +1,24 @@
-"""The extraction queue: one RQ job per sample index, one queue per run.
+"""eaglet's RQ queues: the control queue (one ingest job per run) and one extraction queue per run
+(one job per sample index), and who owns a started job.
 
 Jobs are named by import path, so this module (and the gateway that calls it) never imports the
-extractor. A sample's job id is fixed by run and index: enqueuing it twice replaces, never duplicates, it.
+services that run them. A sample's job id is fixed by run and index, a run's ingest job by run: enqueuing
+one twice replaces, never duplicates, it.
 """
 
 import hashlib
+import time
 from collections.abc import Iterable
 
 from redis import Redis
 from rq import Callback, Queue
 
 from eaglet.shared.keys import CONTROL_QUEUE, RunKeys, queue_name
+from eaglet.shared.records import WorkerBeat, WorkerState
 
 EXTRACT_JOB = "eaglet.services.extractor.jobs.extract_sample"
 EXTRACT_FAILED = "eaglet.services.extractor.jobs.on_extract_failure"  # records a crashed job's sample as failed
-INGEST_JOB = "eaglet.services.ingest.jobs.ingest_run"
+INGEST_JOB = "eaglet.services.ingest.jobs.ingest_job"
 BATCH = 1000
 
 
@@ -55,10 +59,11 @@ def enqueue_samples(redis: Redis, run_id: str, indexes: Iterable[int], *, job_ti
     return n
 
 
-def enqueue_ingest(redis: Redis, run_id: str, dataset: str, options: dict) -> str:
-    """Queues ingestion of a dataset as a new run; a worker ingests it, then queues its samples."""
+def enqueue_ingest(redis: Redis, run_id: str) -> str:
+    """Queues the ingest of a created run (its record holds the dataset and options); an ingest worker reads the
+    dataset and queues its samples as it goes. Returns the job id."""
     job = control_queue(redis).enqueue(
-        INGEST_JOB, run_id, dataset, options, job_id=job_id(run_id, "ingest"), job_timeout=24 * 3600, result_ttl=86400
+        INGEST_JOB, run_id, job_id=job_id(run_id, "ingest"), job_timeout=24 * 3600, result_ttl=86400
     )
     return job.id
 
@@ -71,3 +76,29 @@ def failed_indexes(redis: Redis, run_id: str) -> list[int]:
 def cancel(redis: Redis, run_id: str) -> int:
     """Drops the run's queued jobs; returns how many were dropped. Jobs in flight finish and see the stage."""
     return run_queue(redis, run_id).empty()
+
+
+def rq_worker_name(name: str, instance: str, n: int) -> str:
+    """The name of the n-th RQ worker of a process: a sweep reads the job's owner back from it."""
+    return f"{name}:{instance}:{n}"
+
+
+def owner_of(rq_name: str) -> tuple[str, str] | None:
+    """(worker name, instance) of an RQ worker name made by ``rq_worker_name``; None for other workers."""
+    parts = rq_name.rsplit(":", 2)
+    if len(parts) != 3 or not parts[2].isdigit():
+        return None
+    return parts[0], parts[1]
+
+
+def owner_alive(owner: tuple[str, str], beats: dict[str, WorkerBeat], *, lost_after_s: float, instance: str) -> bool:
+    """Whether the process that started a job still lives, judged by eaglet's heartbeats (``keys.WORKERS``, parsed):
+    ``instance`` is the caller's own, alive whatever its heartbeat says; a heartbeat that is stale, stopped or of
+    another instance (a worker restarted under the same name) means the owner died."""
+    name, owner_instance = owner
+    if owner_instance == instance:
+        return True
+    beat = beats.get(name)
+    if beat is None or beat.instance != owner_instance or beat.state == WorkerState.stopped:
+        return False
+    return not beat.lost(time.time(), lost_after_s)

@@ -5,7 +5,7 @@ RUNS = f"{PREFIX}:runs"  # ZSET run id -> created (unix s)
 WORKERS = f"{PREFIX}:workers"  # HASH worker name -> records.WorkerBeat (JSON)
 INFERENCE = f"{PREFIX}:inference"  # HASH server url -> records.InferenceBeat (JSON), written by the workers using it
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: JSON {"run", "event", "ts"}
-CONTROL_QUEUE = f"{PREFIX}-control"  # RQ queue of run-level jobs (ingest a dataset); workers listen to it too
+CONTROL_QUEUE = f"{PREFIX}-control"  # RQ queue of run-level jobs (ingest a dataset); ingest workers listen to it
 
 
 def queue_name(run_id: str) -> str:

@@ -13,9 +13,10 @@ Redis keeps text; these records parse it once, here, so no other module reads or
     RunMeta                RunKeys.meta: settings, stage, flags (unix s) and ingest figures of a run
     TrainProgress          RunKeys.train: the trainer's progress and heartbeat; its state is the run's stage
     EvalResult             RunKeys.eval: the evaluation's figures as they come
-    WorkerBeat             one value of keys.WORKERS: an extractor worker's heartbeat (JSON)
+    WorkerBeat             one value of keys.WORKERS: a worker's heartbeat (JSON)
     InferenceBeat          one value of keys.INFERENCE: an inference server's health as a worker saw it (JSON)
     WorkerState            what a worker is doing (``WorkerBeat.state``)
+    WorkerRole             what kind of worker it is (``WorkerBeat.role``)
 
 Hash records: ``to_redis()`` gives the fields that are set, as text, so a record with a few fields is a partial
 update; ``from_redis(fields)`` parses a whole ``HGETALL`` reply, ignoring fields it does not know, and reads a
@@ -49,6 +50,11 @@ FINISHED_STAGES = frozenset({Stage.done, Stage.failed, Stage.cancelled})
 GPUS_RELEASED = "gpus_released"
 HEARTBEAT_INTERVAL_S = 5.0
 LOST_AFTER_BEATS = 3
+
+
+class WorkerRole(StrEnum):
+    extractor = "extractor"  # extracts samples' hidden states through an inference server
+    ingest = "ingest"  # reads datasets into runs
 
 
 class WorkerState(StrEnum):
@@ -129,7 +135,11 @@ class RunMeta(HashRecord):
     num_layers: int | None = None
     vocab_size: int | None = None
     aux_layer_ids: list[int] | None = None
-    """The target's layers whose hidden states the drafter reads (EAGLE-3)."""
+    """The target's layers whose hidden states the drafter reads (EAGLE-3), as ingest expects the server to capture
+    them; what was captured is ``captured_layers``."""
+    captured_layers: list[int] | None = None
+    """The layers the run's stored hidden states were captured at (the dumps' ``aux_layer_ids``): set once, by the
+    first dump checked; a dump of other layers is refused. The drafter's config.json records these."""
     options: dict | None = None
     """The ingest options the run was started with."""
     ingest_cursor: dict | None = None
@@ -149,20 +159,6 @@ class RunMeta(HashRecord):
     gpus_released: float | None = None
     """When the inference service stopped, leaving its GPUs to the trainer."""
 
-    # The text view (``meta["total"]``, ``meta.get("model_dir")``, ``"total" in meta``) serves the modules that
-    # still read the hash by field name; it goes once they all read the typed fields.
-    def get(self, name: str, default: str | None = None) -> str | None:
-        return self.to_redis().get(name, default)
-
-    def __getitem__(self, name: str) -> str:
-        return self.to_redis()[name]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.to_redis()
-
-    def __bool__(self) -> bool:
-        return bool(self.to_redis())
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainProgress(HashRecord):
@@ -175,7 +171,8 @@ class TrainProgress(HashRecord):
     epochs: int | None = None
     loss: float | None = None
     acc: list[float] | None = None
-    """Top-1 accuracy of each draft position (training-time-test step) in the newest logged step."""
+    """Top-1 accuracy of each draft position (training-time-test step) in the newest logged step, over every loss
+    position (with the OOV mask on, one whose target token is outside the draft vocabulary counts as a miss)."""
     lr: float | None = None
     tokens_per_s: float | None = None
     eta_s: float | None = None
@@ -234,13 +231,14 @@ class EvalResult(HashRecord):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerBeat:
-    """An extractor worker's state at ``ts``. ``instance`` is unique per process: a worker restarted under the
+    """A worker's state at ``ts``. ``instance`` is unique per process: a worker restarted under the
     same name is a new instance, so the jobs the old one had started are known to be abandoned."""
 
     worker: str
     state: WorkerState
     ts: float
     instance: str = ""
+    role: WorkerRole = WorkerRole.extractor
     host: str = ""
     pid: int | None = None
     inference_url: str = ""
@@ -269,6 +267,7 @@ class WorkerBeat:
             state=WorkerState(raw.get("state") or WorkerState.idle),
             ts=float(raw.get("ts") or 0),
             instance=str(raw.get("instance") or ""),
+            role=WorkerRole(raw.get("role") or WorkerRole.extractor),
             host=str(raw.get("host") or ""),
             pid=raw.get("pid"),
             inference_url=str(raw.get("inference_url") or ""),

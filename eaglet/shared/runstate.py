@@ -174,9 +174,14 @@ class RunState:
         if fields:
             self.redis.hset(self.keys.meta, mapping=fields)
 
-    def set_meta(self, **fields: object) -> None:
-        """``update_meta`` with the fields as keywords."""
-        self.update_meta(RunMeta(**fields))
+    def claim_captured_layers(self, layers: list[int]) -> list[int]:
+        """The run's captured layers: ``layers`` if none were set (the first dump checked sets them), else those set
+        before, unchanged. One transaction: of workers racing with their first dumps, one sets them, all get them."""
+        pipe = self.redis.pipeline()
+        pipe.hsetnx(self.keys.meta, "captured_layers", RunMeta(captured_layers=layers).to_redis()["captured_layers"])
+        pipe.hget(self.keys.meta, "captured_layers")
+        _, raw = pipe.execute()
+        return RunMeta.from_redis({"captured_layers": raw}).captured_layers
 
     def train(self) -> TrainProgress:
         return TrainProgress.from_redis(self.redis.hgetall(self.keys.train))
@@ -245,10 +250,6 @@ class RunState:
         """Workers and the trainer see the stage and stop. Returns the stage it was cancelled at, or None if the
         run had finished already."""
         return self._move(Stage.cancelled, UNFINISHED)
-
-    def set_stage(self, stage: Stage) -> None:
-        """Sets the stage whatever it was; the transitions above check it."""
-        self._move(stage, tuple(Stage))
 
     def release_gpus(self, now: float | None = None) -> None:
         """The inference service stopped: the trainer waiting for its GPUs (``wait_for_gpus``) may start."""

@@ -28,6 +28,7 @@ from eaglet.shared.records import (
     Stage,
     TrainProgress,
     WorkerBeat,
+    WorkerRole,
 )
 from eaglet.shared.runstate import RECENT_CAP
 
@@ -144,6 +145,7 @@ class RunStatus(BaseModel):
 class WorkerStatus(BaseModel):
     name: str
     state: str
+    role: WorkerRole
     host: str
     pid: int | None
     inference_url: str
@@ -306,6 +308,7 @@ def _worker(name: str, beat: WorkerBeat, age: float, lost: bool) -> WorkerStatus
     return WorkerStatus(
         name=name,
         state=beat.state,
+        role=beat.role,
         host=beat.host,
         pid=beat.pid,
         inference_url=beat.inference_url,
@@ -486,7 +489,7 @@ def _alerts(
         lost = [w.name for w in cluster.workers if w.lost and w.run in ("", run.run_id)]
         if lost:
             alerts.append(Alert(kind="workers_lost", message=f"{len(lost)} worker(s) lost: {', '.join(lost[:8])}"))
-        elif extracting and cluster.workers_live == 0:
+        elif extracting and not any(w.role == WorkerRole.extractor and not w.lost for w in cluster.workers):
             alerts.append(Alert(kind="workers_lost", message="no live worker: start extractor workers"))
     tr = run.training
     if run.stage in TRAINER_STAGES and (tr.seconds_since_beat is None or tr.seconds_since_beat > config.lost_after_s):

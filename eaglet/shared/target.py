@@ -90,10 +90,11 @@ def make_tiny_llama(target: Path, tokenizer_dir: Path, *, layers: int = 6, hidde
     return target
 
 
-def eagle3_layer_ids(num_layers: int) -> list[int]:
-    """SGLang's default EAGLE-3 capture points: the input of layers 2, L//2 and L-3."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def model_config(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def text_config(model_dir: Path) -> dict:
+    """The language model's config: ``text_config`` where a wrapper class (multimodal, Kimi-K2.5) holds it."""
+    config = model_config(model_dir)
+    return config.get("text_config", config)

@@ -29,12 +29,12 @@ def test_a_killed_ingest_is_taken_up_with_resume(tmp_path, redis, redis_server, 
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     state = RunState(redis, "cut")
     deadline = time.monotonic() + 120
-    while not (state.exists() and state.meta().get("ingest_cursor")):
+    while not (state.exists() and state.meta().ingest_cursor):
         assert proc.poll() is None and time.monotonic() < deadline, "no flush before the ingest ended"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    assert "total" not in state.meta(), "ingest ended before the kill: the test proved nothing"
+    assert state.meta().total is None, "ingest ended before the kill: the test proved nothing"
     # Nothing completes (no worker here): /status says the run is stalled and how to take the ingest up.
     alerts = read_run(redis, "cut", config=StatusConfig(stall_min_s=0.01), now=time.time() + 1).run.alerts
     [stalled] = [a for a in alerts if a.kind == "stalled"]
@@ -45,7 +45,7 @@ def test_a_killed_ingest_is_taken_up_with_resume(tmp_path, redis, redis_server, 
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"run cut: {n} samples" in done.stdout
     meta = state.meta()
-    assert (int(meta["total"]), int(meta["bad_lines"]), meta["stage"]) == (n, 0, Stage.extracting)
+    assert (meta.total, meta.bad_lines, meta.stage) == (n, 0, Stage.extracting)
     ids = [s.decode() for s in SampleSet(samples_dir(tmp_path / "data", "cut")).index["id"]]
     assert len(ids) == len(set(ids)) == n
     refused = subprocess.run([*eaglet, "--run", "cut", "--resume"], cwd=tmp_path, env=env, capture_output=True,

@@ -10,7 +10,16 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 VAR = re.compile(r"\$\{([A-Z0-9_]+)(?:(:?[-?])([^}]*))?\}")
-SERVICES = ("inference", "extractor", "trainer", "gateway")
+# Every service of the eaglet image, and the module it runs.
+EAGLET_SERVICES = {
+    "gateway": "eaglet.services.gateway.main",
+    "ingest": "eaglet.services.ingest.worker",
+    "inference": "eaglet.services.inference.release",
+    "extractor": "eaglet.services.extractor.worker",
+    "extractor-gpu": "eaglet.services.extractor.worker",
+    "trainer": "eaglet.services.trainer.follow",
+    "trainer-gpu": "eaglet.services.trainer.follow",
+}
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:
@@ -110,11 +119,33 @@ def test_env_example_documents_every_variable():
     assert used - documented == set()
 
 
-@pytest.mark.parametrize("service", SERVICES)
-def test_dockerfiles_run_as_non_root_with_a_healthcheck(service):
-    text = (ROOT / "eaglet" / "services" / service / "Dockerfile").read_text()
+def test_one_image_runs_every_eaglet_service(compose):
+    services = compose["services"]
+    for name, module in EAGLET_SERVICES.items():
+        service = services[name]
+        assert service["image"] == "eaglet:latest", name
+        assert service["build"] == {
+            "context": ".",
+            "dockerfile": "docker/Dockerfile",
+            "args": {"BASE_IMAGE": "eaglet-base:latest"},
+        }, name
+        assert service["command"] == ["python", "-m", module], name
+        assert service["healthcheck"]["test"][:3] == ["CMD", "python", "/app/docker/healthcheck.py"], name
+    images = {name: s["image"] for name, s in services.items() if "build" in s and name not in EAGLET_SERVICES}
+    assert images == {"inference-gpu": "eaglet-inference-sglang:latest", "base": "eaglet-base:latest"}
+
+
+def test_ingest_runs_in_every_profile(compose):
+    ingest = compose["services"]["ingest"]
+    assert "profiles" not in ingest and set(ingest["depends_on"]) == {"redis"}
+    assert {"data:/data", "models:/models"} <= set(ingest["volumes"])
+
+
+def test_the_image_runs_as_non_root_with_code_after_dependencies():
+    text = (ROOT / "docker" / "Dockerfile").read_text()
     assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, flags=re.M)
     assert re.search(r"^USER eaglet$", text, flags=re.M)
-    assert re.search(r"^HEALTHCHECK ", text, flags=re.M)
     # Code comes after the dependencies: nothing below FROM installs packages.
     assert "pip install" not in text
+    # What differs between services is compose's business.
+    assert not re.search(r"^(CMD|ENTRYPOINT|HEALTHCHECK|ENV) ", text, flags=re.M)

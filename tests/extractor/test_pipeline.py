@@ -10,11 +10,11 @@ from redis import Redis
 
 from eaglet.cli.stack import LocalStack
 from eaglet.services.extractor.extract import Extractor
-from eaglet.services.ingest.ingest import IngestOptions
-from eaglet.services.ingest.jobs import start_run
-from eaglet.shared import keys
+from eaglet.services.ingest.jobs import ingest_new_run
+from eaglet.shared import heartbeats, keys
 from eaglet.shared.config import Settings
 from eaglet.shared.jobqueue import run_queue
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.status import StatusConfig, read_status
@@ -60,13 +60,13 @@ def test_two_workers_extract_every_sample_exactly_once(redis, settings, tmp_path
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
         for i in range(2):
             stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
-        start_run(redis, settings, "e2e", tmp_path / "data.jsonl", IngestOptions())
+        ingest_new_run(redis, settings, "e2e", tmp_path / "data.jsonl", RunOptions())
         state = RunState(redis, "e2e")
         deadline = time.monotonic() + 180
         while not state.extraction_complete():
             assert time.monotonic() < deadline, f"not complete: {state.counts()}"
             time.sleep(0.2)
-        workers_seen = {json.loads(v)["worker"] for v in redis.hvals(keys.WORKERS)}
+        workers_seen = {b.worker for b in heartbeats.workers(redis).values()}
         # Where each worker's time went, as /status shows it: every stage of a stored sample, prefill the longest.
         deadline = time.monotonic() + 30
         while not all((report := read_status(redis, config=StatusConfig())).cluster.workers[i].stage_seconds
@@ -113,7 +113,7 @@ def extractor_for(settings: Settings, redis: Redis, **kw) -> Extractor:
 
 def test_a_stored_sample_is_never_extracted_twice(redis, settings, tmp_path):
     write_dataset(tmp_path / "data.jsonl", 3)
-    start_run(redis, settings, "idem", tmp_path / "data.jsonl", IngestOptions())
+    ingest_new_run(redis, settings, "idem", tmp_path / "data.jsonl", RunOptions())
     extractor = extractor_for(settings, redis)
     assert extractor.extract("idem", 1).startswith("done (prefill ")
     assert extractor.extract("idem", 1) == "already done"
@@ -127,7 +127,7 @@ def test_a_stored_sample_is_never_extracted_twice(redis, settings, tmp_path):
 
 def test_hidden_states_stored_are_the_models(redis, settings, tmp_path):
     write_dataset(tmp_path / "data.jsonl", 2)
-    start_run(redis, settings, "exact", tmp_path / "data.jsonl", IngestOptions())
+    ingest_new_run(redis, settings, "exact", tmp_path / "data.jsonl", RunOptions())
     extractor_for(settings, redis).extract("exact", 1)
     sample = SampleSet(samples_dir(settings.data_dir, "exact"))[1]
     stored = open_sample(sample_path(settings.data_dir, "exact", sample.sample_id))
@@ -141,7 +141,7 @@ def test_hidden_states_stored_are_the_models(redis, settings, tmp_path):
 
 def test_unreachable_server_backs_off_then_records_the_reason(redis, settings, tmp_path):
     write_dataset(tmp_path / "data.jsonl", 1)
-    start_run(redis, settings, "down", tmp_path / "data.jsonl", IngestOptions())
+    ingest_new_run(redis, settings, "down", tmp_path / "data.jsonl", RunOptions())
     offline = settings.model_copy(update={"inference_url": "http://127.0.0.1:9"})
     extractor = extractor_for(offline, redis, backoff_s=(0.05,), max_transient_s=0.3)
     assert extractor.extract("down", 0) == "failed"

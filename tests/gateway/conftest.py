@@ -1,7 +1,6 @@
 """Fixtures of the gateway tests: a real gateway on a free port (uvicorn in a thread) over the tests' own Redis,
 and a run driven through the real writers with its ground truth. Test modules get them as fixtures only."""
 
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,14 +14,8 @@ from redis import Redis
 from eaglet.services.gateway.main import create_app
 from eaglet.services.gateway.settings import GatewaySettings
 from eaglet.shared.heartbeats import WorkerState, beat, report_inference
+from eaglet.shared.redisserver import free_port
 from eaglet.shared.runstate import RunState
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 TOKEN = "test-token-0123456789abcdef"
 

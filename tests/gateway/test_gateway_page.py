@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from eaglet.shared import keys
 from eaglet.shared.heartbeats import WorkerState, beat
-from eaglet.shared.keys import RunKeys
+from eaglet.shared.records import TrainProgress, WorkerBeat
 from eaglet.shared.runstate import RunState, Stage
 
 CHROMIUM = shutil.which("chromium")
@@ -20,7 +21,7 @@ GREEN, BLUE, RED = (0x2B, 0x8A, 0x3E), (0x19, 0x71, 0xC2), (0xE0, 0x31, 0x31)
 
 def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess:
     if CHROMIUM is None:
-        pytest.fail("Debian's chromium is not installed: run `make redis` (scripts/install-system.sh installs it)")
+        pytest.fail("Debian's chromium is not installed: run `make test-system`")
     # Without the background-networking flags Chromium keeps calling out to hosts a closed network refuses.
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
@@ -102,11 +103,12 @@ def seeded(redis):
         else:
             state.mark_done(i, 500, 500 * 512)
     now = time.time()
-    redis.hset(RunKeys("demo-run").train, mapping={"step": 250, "total_steps": 1000, "loss": 1.25, "updated_at": now})
+    state.update_train(TrainProgress(step=250, total_steps=1000, loss=1.25, updated_at=now))
     beat(redis, "w-live", state=WorkerState.busy, host="h1", pid=1, inference_url="http://inf:1", run="demo-run",
          sample="s60", disk_free=5 * 10**11, disk_total=10**12,
          stage_seconds={"prefill": 1.25, "dump_wait": 0.0, "check": 0.02, "store": 0.31})  # fmt: skip
-    redis.hset("eaglet:workers", "w-gone", '{"state": "busy", "run": "demo-run", "sample": "s61", "ts": 1}')
+    gone = WorkerBeat(worker="w-gone", state=WorkerState.busy, ts=1, run="demo-run", sample="s61")
+    redis.hset(keys.WORKERS, "w-gone", gone.to_redis())
     return state
 
 

@@ -6,6 +6,7 @@ from rq import Queue
 
 from eaglet.shared import jobqueue, keys
 from eaglet.shared.keys import RunKeys
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState, Stage
 
 TOKEN = "test-token-0123456789abcdef"
@@ -43,8 +44,11 @@ def test_start_run_queues_the_ingest(gateway, redis, queue_redis, dataset):
     body = r.json()
     assert (body["run_id"], body["dataset"]) == ("r1", str(dataset.resolve()))
     job = Queue(keys.CONTROL_QUEUE, connection=queue_redis).fetch_job(body["job_id"])
-    assert job.func_name == jobqueue.INGEST_JOB
-    assert job.args == ("r1", str(dataset.resolve()), {"max_tokens": 512, "overlong": "truncate"})
+    assert job.func_name == jobqueue.INGEST_JOB and job.args == ("r1",)
+    # The run is created at once, with what its ingest needs: the dataset and the options, defaults filled in.
+    meta = RunState(redis, "r1").meta()
+    assert (meta.stage, meta.dataset) == (Stage.ingesting, str(dataset.resolve()))
+    assert RunOptions(**meta.options) == RunOptions(max_tokens=512, overlong="truncate")
     assert redis.zscore(keys.RUNS, "r1") is not None
     again = gateway.client(TOKEN).post("/runs", json={"run_id": "r1", "dataset": str(dataset)})
     assert again.status_code == 409
@@ -64,6 +68,8 @@ def test_start_run_generates_an_id(gateway, dataset):
         ({"dataset": "DATASET", "options": {"overlong": "chop"}}, "overlong"),
         ({"dataset": "DATASET", "options": {"max_tokens": 1}}, "max_tokens"),
         ({"dataset": "DATASET", "options": {"max_tokens": "many"}}, "max_tokens"),
+        ({"dataset": "DATASET", "options": {"limit": 0}}, "limit"),
+        ({"dataset": "DATASET", "options": {"max_tokens": 512, "temperature": 1}}, "temperature"),
         ({"dataset": "DATASET", "priority": 1}, "priority"),
         ({"dataset": "/etc/passwd"}, "dataset"),
         ({"dataset": "DATASET/../../../etc/hostname"}, "dataset"),
@@ -123,7 +129,7 @@ def test_retry_failed_queues_the_failures_again(gateway, redis, queue_redis):
     state.mark_done(2, 100, 1000)
     assert not state.extraction_complete()
     assert state.mark_done(7, 100, 1000) == 2 and state.stage() == Stage.extracted
-    state.set_stage(Stage.training)
+    state.start_training()
     assert gateway.client(TOKEN).post("/runs/r1/retry-failed").status_code == 409
 
 

@@ -8,14 +8,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump
-from eaglet.shared.target import eagle3_layer_ids
+from eaglet.shared.layers import default_layer_ids
 
 
 def direct_states(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """What the dump must hold, from a plain transformers forward of one prompt."""
     with torch.inference_mode():
         out = model.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-    layers = eagle3_layer_ids(model.config.num_hidden_layers)
+    layers = default_layer_ids(model.config.num_hidden_layers)
     return out.last_hidden_state[0], torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
 
 
@@ -38,7 +38,7 @@ def test_dump_equals_a_direct_forward(reference_server, tiny_model):
     final, aux = direct_states(tiny_model, ids)
     torch.testing.assert_close(dump.hidden_states, final, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(dump.aux_hidden_states, aux, atol=1e-5, rtol=1e-4)
-    assert dump.aux_layer_ids == eagle3_layer_ids(tiny_model.config.num_hidden_layers)
+    assert dump.aux_layer_ids == default_layer_ids(tiny_model.config.num_hidden_layers)
     with torch.inference_mode():
         expected_next = int(tiny_model.lm_head(final[-1]).argmax())
     assert response.json()["output_ids"] == [expected_next]

@@ -3,10 +3,11 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from eaglet.services.ingest.ingest import IngestOptions
-from eaglet.services.ingest.jobs import RunExists, start_run
+from eaglet.services.ingest.jobs import ingest_new_run
+from eaglet.services.ingest.runs import RunExists
 from eaglet.shared.config import Settings
 from eaglet.shared.jobqueue import run_queue
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import samples_dir
@@ -60,7 +61,7 @@ def dataset(tmp_path):
 
 def test_ingest_keeps_good_lines_and_reports_bad_ones(redis, dataset, tmp_path, tiny_model_dir):
     settings = Settings(model=str(tiny_model_dir), data_dir=tmp_path / "data")
-    result = start_run(redis, settings, "run1", dataset, IngestOptions())
+    result = ingest_new_run(redis, settings, "run1", dataset, RunOptions())
     assert (result.samples, result.bad_lines) == (4, len(BAD))
     errors = [json.loads(e)["reason"] for e in reversed(redis.lrange(RunState(redis, "run1").keys.errors, 0, -1))]
     for line_no, ((_, why), error) in enumerate(zip(BAD, errors, strict=True), start=3):
@@ -70,18 +71,18 @@ def test_ingest_keeps_good_lines_and_reports_bad_ones(redis, dataset, tmp_path, 
     assert samples[3].sample_id.startswith("s")
     assert samples[2].input_ids.tolist() == [1, 2, 3, 4] and samples[2].loss_mask.tolist() == [0, 0, 1, 1]
     meta = RunState(redis, "run1").meta()
-    assert meta["total"] == "4" and meta["stage"] == Stage.extracting
+    assert meta.total == 4 and meta.stage == Stage.extracting
     assert run_queue(redis, "run1").count == 4
     assert not any(p.name == "passwd" for p in tmp_path.rglob("*"))  # nothing outside the run directory
     with pytest.raises(RunExists):
-        start_run(redis, settings, "run1", dataset, IngestOptions())
+        ingest_new_run(redis, settings, "run1", dataset, RunOptions())
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(redis, tmp_path, smollm2_dir):
     path = tmp_path / "one.jsonl"
     path.write_text(json.dumps(GOOD[1]) + "\n")
     settings = Settings(model=str(smollm2_dir), data_dir=tmp_path / "data")
-    start_run(redis, settings, "run2", path, IngestOptions())
+    ingest_new_run(redis, settings, "run2", path, RunOptions())
     sample = SampleSet(samples_dir(settings.data_dir, "run2"))[0]
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     masked = tokenizer.decode(sample.input_ids[sample.loss_mask == 1])
@@ -99,7 +100,7 @@ def test_overlong_samples_are_rejected_or_truncated(redis, tmp_path, tiny_model_
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps(line) + "\n")
     settings = Settings(model=str(tiny_model_dir), data_dir=tmp_path / "data")
-    result = start_run(redis, settings, f"run-{overlong}", path, IngestOptions(max_tokens=64, overlong=overlong))
+    result = ingest_new_run(redis, settings, f"run-{overlong}", path, RunOptions(max_tokens=64, overlong=overlong))
     assert result.samples == kept
     if kept:
         assert SampleSet(samples_dir(settings.data_dir, f"run-{overlong}")).length(0) == 64
@@ -115,8 +116,8 @@ def test_an_ingest_that_stops_ends_its_run_failed_with_the_reason(redis, dataset
     blocker.parent.mkdir(parents=True)
     blocker.write_text("not a folder")
     with pytest.raises(OSError):
-        start_run(redis, settings, "run1", dataset, IngestOptions())
+        ingest_new_run(redis, settings, "run1", dataset, RunOptions())
     meta = RunState(redis, "run1").meta()
-    assert meta["stage"] == Stage.failed and "total" not in meta
-    assert meta["error"].startswith(f"ingest of {dataset} stopped: ") and "samples" in meta["error"], meta["error"]
+    assert meta.stage == Stage.failed and meta.total is None
+    assert meta.error.startswith(f"ingest of {dataset} stopped: ") and "samples" in meta.error, meta.error
     assert run_queue(redis, "run1").count == 0

@@ -7,7 +7,6 @@ file, nothing in flight, the completion flag set once.
 
 import json
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from eaglet.shared import keys
 from eaglet.shared.config import Settings
 from eaglet.shared.jobqueue import run_queue
 from eaglet.shared.keys import RunKeys
+from eaglet.shared.redisserver import free_port
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import open_sample, sample_is_complete, sample_path, samples_dir
@@ -30,12 +30,6 @@ from eaglet.shared.store import open_sample, sample_is_complete, sample_path, sa
 log = logging.getLogger(__name__)
 TOKEN = "reliability-token-5f0c1e2d9a7b4c3e"
 HEARTBEAT_S = 0.5  # fast heartbeats: a killed worker is judged dead after 3 of them
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_dataset(path: Path, n: int, prefix: str = "s", min_len: int = 8) -> None:

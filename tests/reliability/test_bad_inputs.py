@@ -17,10 +17,10 @@ from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.inference.server import create_app as create_inference
 from eaglet.services.ingest import records
 from eaglet.services.ingest.chat import tokenize_conversation
-from eaglet.services.ingest.ingest import IngestOptions
-from eaglet.services.ingest.jobs import start_run
+from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.services.ingest.records import BadLine, Conversation, parse_line
 from eaglet.shared.config import Settings
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import samples_dir
@@ -96,7 +96,7 @@ def test_a_dataset_of_bad_lines_ingests_the_good_ones_and_reports_the_rest(
     dataset.write_bytes(b"\n".join(line for line, _ in lines) + b"\n" + b"z" * 100_000)
     settings = Settings(_env_file=None, model=str(tiny_model_dir), data_dir=tmp_path / "data")
     before = {p for p in tmp_path.rglob("*")}
-    result = start_run(redis, settings, "bad", dataset, IngestOptions())
+    result = ingest_new_run(redis, settings, "bad", dataset, RunOptions())
     refused = [(n, why) for n, (_, why) in enumerate(lines, start=1) if why] + [(len(lines) + 1, "bytes exceeds")]
     assert (result.samples, result.bad_lines) == (2, len(refused))
     errors = [json.loads(e)["reason"] for e in reversed(redis.lrange(RunState(redis, "bad").keys.errors, 0, -1))]

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from eaglet.cli.stack import LocalStack
-from eaglet.services.ingest.ingest import IngestOptions
-from eaglet.services.ingest.jobs import start_run
+from eaglet.services.ingest.jobs import ingest_new_run
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from tests.reliability.helpers import check_outcome, env_of, gateway_settings, serve_gateway, wait_for, write_dataset
 
@@ -50,7 +50,7 @@ def test_disk_full_pauses_with_an_alert_and_resumes(redis, redis_server, setting
     n, run_id = 60, "disk"
     settings = settings.model_copy(update={"data_dir": small_volume / "data"})
     write_dataset(tmp_path / "data.jsonl", n, prefix="d", min_len=60)
-    start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
+    ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
     state = RunState(redis, run_id)
     url, stop_gateway = serve_gateway(gateway_settings(redis_server.url, settings.data_dir))
     gateway = httpx.Client(base_url=url, timeout=10)

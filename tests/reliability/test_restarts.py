@@ -11,8 +11,8 @@ import torch
 
 from eaglet.cli.stack import LocalStack
 from eaglet.services.inference.engine import ReferenceEngine
-from eaglet.services.ingest.ingest import IngestOptions
-from eaglet.services.ingest.jobs import start_run
+from eaglet.services.ingest.jobs import ingest_new_run
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import open_sample, sample_path, samples_dir
@@ -45,7 +45,7 @@ def test_inference_server_killed_and_restarted_mid_run(redis, settings, tmp_path
         start_server()
         for i in range(2):
             stack.start(f"w{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
-        start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
+        ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
         state = RunState(redis, run_id)
         for k in range(restarts):
             wait_for("progress", lambda k=k: state.counts()["done"] >= (k + 1) * n // (restarts + 2), 120, 0.02)
@@ -84,7 +84,7 @@ def test_redis_killed_and_restarted_mid_run(redis, redis_server, settings, tmp_p
         with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
             for i in range(2):
                 stack.start(f"w{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
-            start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
+            ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
             state = RunState(redis, run_id)
             for k, kill in enumerate((True, False)):  # SIGKILL, then a clean stop
                 wait_for("progress", lambda k=k: state.counts()["done"] >= (k + 1) * n // 4, 120, 0.02)

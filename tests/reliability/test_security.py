@@ -2,7 +2,6 @@
 Redis and inference are not published and Redis needs a password, and no secret reaches a log."""
 
 import hmac
-import subprocess
 import time
 from pathlib import Path
 
@@ -10,17 +9,19 @@ import httpx
 import pytest
 import yaml
 from fastapi.testclient import TestClient
+from redis import Redis
 
 from eaglet.cli.stack import LocalStack
 from eaglet.services.gateway import deps
 from eaglet.services.gateway.main import create_app
-from eaglet.services.ingest.ingest import IngestOptions
-from eaglet.services.ingest.jobs import start_run
+from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.shared.dumpfile import dump_path
 from eaglet.shared.ids import UnsafeName, make_rid
+from eaglet.shared.redisserver import RedisServer, free_port
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.store import run_dir, sample_path
-from tests.reliability.helpers import TOKEN, env_of, free_port, gateway_settings, wait_for, write_dataset
+from tests.reliability.helpers import TOKEN, env_of, gateway_settings, wait_for, write_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTROL = [("POST", "/runs", {"dataset": "x.jsonl"}), ("POST", "/runs/r1/cancel", None),
@@ -86,17 +87,10 @@ def test_compose_keeps_redis_and_inference_private():
 @pytest.mark.slow
 def test_no_secret_in_any_log(redis, settings, tmp_path, reference_server):
     """The whole stack against a Redis that needs a password: the password and the token appear in no log."""
-    password, port = "s3cret-redis-pass-9c1d", free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--requirepass", password], stdout=subprocess.DEVNULL)  # fmt: skip
-    url = f"redis://:{password}@127.0.0.1:{port}/0"
-    gateway_port = free_port()
-    try:
-        settings = settings.model_copy(update={"redis_url": url})
-        from redis import Redis
-
-        secured = Redis.from_url(url, decode_responses=True)
-        wait_for("redis", lambda: _ping(secured), 10)
+    password, gateway_port = "s3cret-redis-pass-9c1d", free_port()
+    with RedisServer(tmp_path / "redis", password=password, appendonly=False) as server:
+        settings = settings.model_copy(update={"redis_url": server.url})
+        secured = Redis.from_url(server.url, decode_responses=True)
         env = env_of(settings, EAGLET_API_TOKEN=TOKEN, EAGLET_PORT=str(gateway_port))
         write_dataset(tmp_path / "data.jsonl", 4)
         with LocalStack(tmp_path / "logs", env=env) as stack:
@@ -104,25 +98,15 @@ def test_no_secret_in_any_log(redis, settings, tmp_path, reference_server):
             stack.start("gateway", "eaglet.services.gateway.main")
             gateway = f"http://127.0.0.1:{gateway_port}"
             stack.wait_http("gateway", f"{gateway}/status", timeout=60)
-            start_run(secured, settings, "sec", tmp_path / "data.jsonl", IngestOptions())
+            ingest_new_run(secured, settings, "sec", tmp_path / "data.jsonl", RunOptions())
             wait_for("the run", RunState(secured, "sec").extraction_complete, 60)
             for token in (TOKEN, "wrong-" + TOKEN):
                 httpx.post(f"{gateway}/runs/sec/retry-failed", headers={"Authorization": f"Bearer {token}"})
             status = httpx.get(f"{gateway}/status").text
             time.sleep(1)
-    finally:
-        proc.terminate()
-        proc.wait(10)
     logs = {p.name: p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log")}
     assert logs and all(logs.values())
     for secret in (password, TOKEN):
         assert secret not in status
         leaked = [name for name, text in logs.items() if secret in text]
         assert not leaked, f"secret found in {leaked}"
-
-
-def _ping(r) -> bool:
-    try:
-        return bool(r.ping())
-    except Exception:
-        return False

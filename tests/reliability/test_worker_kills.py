@@ -12,11 +12,12 @@ from rq import Queue
 
 from eaglet.cli.stack import LocalStack
 from eaglet.services.inference.engine import ReferenceEngine
-from eaglet.services.ingest.ingest import IngestOptions
-from eaglet.services.ingest.jobs import start_run
-from eaglet.shared import keys
+from eaglet.services.ingest.jobs import ingest_new_run
+from eaglet.services.ingest.runs import create_run
+from eaglet.shared import heartbeats, keys
+from eaglet.shared.heartbeats import WorkerState
 from eaglet.shared.jobqueue import cancel, enqueue_ingest, run_queue
-from eaglet.shared.keys import CONTROL_QUEUE
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import samples_dir
@@ -43,7 +44,7 @@ def test_workers_killed_at_random_moments_lose_nothing(redis, settings, tmp_path
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
         for name in names:
             stack.start(name, "eaglet.services.extractor.worker", "--name", name)
-        start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
+        ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
         state = RunState(redis, run_id)
         deadline = time.monotonic() + 240
         while not state.extraction_complete():
@@ -56,11 +57,11 @@ def test_workers_killed_at_random_moments_lose_nothing(redis, settings, tmp_path
             holding = [json.loads(v)["worker"] for v in redis.hvals(state.keys.inflight)]
             holding = [w for w in holding if w in names]
             name = rng.choice(holding) if holding and rng.random() < 0.8 else rng.choice(names)
-            beat = json.loads(redis.hget(keys.WORKERS, name) or "{}")
+            beat = heartbeats.workers(redis).get(name)
             stack.procs[name].send_signal(signal.SIGKILL)
             stack.procs[name].wait(10)
             kills += 1
-            busy_kills += name in holding or beat.get("state") == "busy"
+            busy_kills += name in holding or (beat is not None and beat.state == WorkerState.busy)
             if kills % 2:  # restarted under the same name: a new instance
                 stack.start(name, "eaglet.services.extractor.worker", "--name", name)
             else:  # replaced by a worker of another name: the old one's heartbeat goes stale
@@ -98,13 +99,14 @@ def test_a_sample_that_kills_its_worker_every_time_ends_failed_with_the_reason(
     try:
         with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
             stack.start("w0", "eaglet.services.extractor.worker", "--name", "w0")
-            start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
+            ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
             state = RunState(redis, run_id)
             deadline = time.monotonic() + 120
             while not state.extraction_complete():
                 assert time.monotonic() < deadline, f"not complete: {state.counts()}"
-                beat = json.loads(redis.hget(keys.WORKERS, "w0") or "{}")
-                if beat.get("sample") == "p-3" and beat.get("state") == "busy" and server.hanging.is_set():
+                beat = heartbeats.workers(redis).get("w0")
+                busy = beat is not None and beat.sample == "p-3" and beat.state == WorkerState.busy
+                if busy and server.hanging.is_set():
                     server.hanging.clear()
                     stack.procs["w0"].send_signal(signal.SIGKILL)
                     stack.procs["w0"].wait(10)
@@ -126,10 +128,10 @@ def test_a_job_taken_by_a_worker_that_died_before_starting_it_is_found(redis, se
     """The worker's LPOP happened, its started-registry entry never did: the job is in no queue and no registry."""
     n, run_id = 6, "lpop"
     write_dataset(tmp_path / "data.jsonl", n, prefix="l")
-    start_run(redis, settings, run_id, tmp_path / "data.jsonl", IngestOptions())
+    ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
     rq_redis = Redis.from_url(settings.redis_url)
     queue = run_queue(rq_redis, run_id)
-    job, _ = Queue.dequeue_any([Queue(CONTROL_QUEUE, connection=rq_redis), queue], None, connection=rq_redis)
+    job, _ = Queue.dequeue_any([queue], None, connection=rq_redis)
     taken = job.args[1]  # and the worker that took it dies here
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
         stack.start("w0", "eaglet.services.extractor.worker", "--name", "w0")
@@ -144,8 +146,8 @@ def test_a_job_taken_by_a_worker_that_died_before_starting_it_is_found(redis, se
 
 @pytest.mark.parametrize("max_attempts", [4, 1])
 def test_an_ingest_whose_worker_dies_is_taken_up_where_it_stopped(redis, settings, tmp_path, max_attempts):
-    """POST /runs queues the ingest on the control queue; its worker is SIGKILLed while it reads. Another
-    worker's sweep queues the ingest again and it goes on from its last flush: every line ingested once, no
+    """POST /runs queues the ingest on the control queue; its ingest worker is SIGKILLed while it reads. Another
+    ingest worker's sweep queues the ingest again and it goes on from its last flush: every line ingested once, no
     sample lost or doubled. With no attempt left the run ends failed, saying why, and drops what was queued."""
     n, dataset = 60_000, tmp_path / "big.jsonl"
     conversation = {"messages": [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": ""}]}
@@ -156,30 +158,30 @@ def test_an_ingest_whose_worker_dies_is_taken_up_where_it_stopped(redis, setting
     rq_redis = Redis.from_url(settings.redis_url)
     settings = settings.model_copy(update={"max_attempts": max_attempts})
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
-        stack.start("w0", "eaglet.services.extractor.worker", "--name", "w0")
+        stack.start("w0", "eaglet.services.ingest.worker", "--name", "w0")
         wait_for("w0's heartbeat", lambda: redis.hexists(keys.WORKERS, "w0"), 60)
-        enqueue_ingest(rq_redis, "half", str(dataset), {})
-        state = RunState(redis, "half")
-        wait_for("samples queued while ingest reads", lambda: state.meta().get("ingest_cursor"), 120)
+        state = create_run(redis, "half", dataset, RunOptions())
+        enqueue_ingest(rq_redis, "half")
+        wait_for("samples queued while ingest reads", lambda: state.meta().ingest_cursor, 120)
         stack.procs["w0"].send_signal(signal.SIGKILL)
         stack.procs["w0"].wait(10)
-        cut = json.loads(state.meta()["ingest_cursor"])
-        assert "total" not in state.meta(), "ingest ended before the kill: the test proved nothing"
-        stack.start("w1", "eaglet.services.extractor.worker", "--name", "w1")
+        cut = state.meta().ingest_cursor
+        assert state.meta().total is None, "ingest ended before the kill: the test proved nothing"
+        stack.start("w1", "eaglet.services.ingest.worker", "--name", "w1")
         if max_attempts == 1:
             wait_for("the run to end failed", lambda: state.stage() == Stage.failed, 120)
         else:
-            wait_for("the ingest to end", lambda: "total" in state.meta() or state.stage() == Stage.failed, 300)
+            wait_for("the ingest to end", lambda: state.meta().total is not None or state.stage() == Stage.failed, 300)
         meta = state.meta()
         if max_attempts > 1:  # extracting 60,000 samples is not this test's business
-            state.set_stage(Stage.cancelled)
+            state.cancel()
             cancel(rq_redis, "half")
     if max_attempts == 1:
-        assert meta["error"] == (f"ingest of {dataset} died with worker w0, 1 times: given up; start the run again "
+        assert meta.error == (f"ingest of {dataset} died with worker w0, 1 times: given up; start the run again "
                                  "under a new id")  # fmt: skip
         assert run_queue(rq_redis, "half").count == 0
         return
-    assert (int(meta["total"]), int(meta["bad_lines"])) == (n, 0), meta
+    assert (meta.total, meta.bad_lines) == (n, 0), meta
     ids = [s.decode() for s in SampleSet(samples_dir(settings.data_dir, "half")).index["id"]]
     assert len(ids) == len(set(ids)) == n  # every line once: nothing lost at the cut, nothing doubled
     errors = [json.loads(e)["reason"] for e in redis.lrange(state.keys.errors, 0, -1)]

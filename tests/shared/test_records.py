@@ -1,6 +1,7 @@
 """Records parse what their writers wrote, and write only the fields that are set."""
 
 import json
+from dataclasses import replace
 
 from eaglet.shared.records import (
     EvalResult,
@@ -9,6 +10,7 @@ from eaglet.shared.records import (
     Stage,
     TrainProgress,
     WorkerBeat,
+    WorkerRole,
     WorkerState,
 )
 
@@ -56,15 +58,11 @@ def test_eval_round_trip():
     assert EvalResult.from_redis(result.to_redis()) == result
 
 
-def test_meta_text_view():
-    meta = RunMeta(total=3, model_dir="/m")
-    assert meta["total"] == "3" and meta.get("model_dir") == "/m" and "total" in meta and "error" not in meta
-    assert meta.get("error") is None and not RunMeta()
-
-
 def test_worker_beat_round_trip_and_liveness():
     beat = WorkerBeat(worker="w", state=WorkerState.busy, ts=100.0, pid=7, disk_free=5, stage_seconds={"store": 0.1})
     assert WorkerBeat.from_redis(beat.to_redis()) == beat
+    ingest = replace(beat, role=WorkerRole.ingest)
+    assert WorkerBeat.from_redis(ingest.to_redis()).role == WorkerRole.ingest
     assert not beat.lost(now=110.0, lost_after_s=15.0) and beat.lost(now=116.0, lost_after_s=15.0)
     stopped = WorkerBeat(worker="w", state=WorkerState.stopped, ts=0.0)
     assert not stopped.lost(now=1000.0, lost_after_s=15.0)
@@ -72,7 +70,7 @@ def test_worker_beat_round_trip_and_liveness():
 
 def test_worker_beat_tolerates_missing_fields():
     beat = WorkerBeat.from_redis('{"worker": "w", "state": "idle", "ts": 1}')
-    assert (beat.host, beat.pid, beat.stage_seconds) == ("", None, {})
+    assert (beat.host, beat.pid, beat.stage_seconds, beat.role) == ("", None, {}, WorkerRole.extractor)
 
 
 def test_inference_beat_round_trip():

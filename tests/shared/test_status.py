@@ -1,7 +1,7 @@
 """The status figures, read from what the writers keep, at a fixed ``now``."""
 
 from eaglet.shared.heartbeats import beat, report_inference
-from eaglet.shared.records import TrainProgress, WorkerState
+from eaglet.shared.records import TrainProgress, WorkerRole, WorkerState
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.status import StatusConfig, read_run, read_status
 
@@ -47,6 +47,16 @@ def test_workers_lost_after_their_heartbeats_age(redis):
     assert "workers_lost" in {a.kind for a in report.run.alerts}
     fresh = read_run(redis, "r1", config=CONFIG)
     assert fresh.cluster.disk_free == 5 and fresh.cluster.inference[0].healthy and fresh.cluster.workers_lost == 0
+
+
+def test_a_live_ingest_worker_does_not_stand_in_for_extractors(redis):
+    extracting_run(redis)
+    beat(redis, "ingest-0", state=WorkerState.idle, host="h", pid=1, inference_url="", role=WorkerRole.ingest)
+    report = read_run(redis, "r1", config=CONFIG)
+    assert [w.role for w in report.cluster.workers] == [WorkerRole.ingest]
+    assert "no live worker: start extractor workers" in [a.message for a in report.run.alerts]
+    beat(redis, "w1", state=WorkerState.idle, host="h", pid=2, inference_url="u")
+    assert "workers_lost" not in {a.kind for a in read_run(redis, "r1", config=CONFIG).run.alerts}
 
 
 def test_trainer_state_comes_from_the_stage(redis):

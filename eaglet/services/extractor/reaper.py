@@ -1,4 +1,4 @@
-"""Jobs whose worker died: queued again, or given up once the sample has killed its worker too often.
+"""Extraction jobs whose worker died: queued again, or given up once the sample has killed its worker too often.
 
 A ``SimpleWorker`` killed with SIGKILL leaves its job in RQ's StartedJobRegistry until the job's timeout
 plus a minute has passed (an hour with ours); only then does RQ call it abandoned, run the failure
@@ -20,7 +20,6 @@ Samples that RQ found abandoned first (a worker that is not eaglet's, or no swee
 noted by the failure callback in ``RunKeys.abandoned`` and queued again from the FailedJobRegistry here.
 """
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -33,25 +32,13 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.utils import parse_composite_key
 
-from eaglet.shared import keys
-from eaglet.shared.jobqueue import INGEST_JOB, cancel, enqueue_ingest, enqueue_samples, job_id, run_queue
-from eaglet.shared.keys import CONTROL_QUEUE, RunKeys, queue_name
-from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared import heartbeats
+from eaglet.shared.jobqueue import enqueue_samples, job_id, owner_alive, owner_of, run_queue
+from eaglet.shared.keys import RunKeys, queue_name
+from eaglet.shared.records import WorkerBeat
+from eaglet.shared.runstate import RunState
 
 log = logging.getLogger(__name__)
-
-
-def rq_worker_name(name: str, instance: str, n: int) -> str:
-    """The name of the n-th RQ worker of this process: the reaper reads the owner back from it."""
-    return f"{name}:{instance}:{n}"
-
-
-def owner_of(rq_name: str) -> tuple[str, str] | None:
-    """(worker name, instance) of an RQ worker name made by ``rq_worker_name``; None for other workers."""
-    parts = rq_name.rsplit(":", 2)
-    if len(parts) != 3 or not parts[2].isdigit():
-        return None
-    return parts[0], parts[1]
 
 
 @dataclass
@@ -70,9 +57,8 @@ class Reaper:
     def sweep(self, run_ids: list[str]) -> dict[str, int]:
         """One pass over the runs' started jobs; returns how many were queued again and failed."""
         outcome = {"requeued": 0, "failed": 0}
-        beats = {name: json.loads(raw) for name, raw in self.redis.hgetall(keys.WORKERS).items()}
+        beats = heartbeats.workers(self.redis)
         now = time.time()
-        outcome["ingests_resumed"] = self._resume_dead_ingests(beats, now)
         for run_id in run_ids:
             registry = StartedJobRegistry(queue_name(run_id), connection=self.rq_redis)
             for entry in self.rq_redis.zrange(registry.key, 0, -1):
@@ -85,50 +71,16 @@ class Reaper:
                 outcome[what] += 1
         return outcome
 
-    def _resume_dead_ingests(self, beats: dict, now: float) -> int:
-        """Ingest jobs whose worker died: queued again, and the ingest is taken up from its last flush
-        (eaglet/services/ingest/jobs.py ``resume_run``). After ``max_lost`` deaths the run ends failed, saying why."""
-        registry = StartedJobRegistry(CONTROL_QUEUE, connection=self.rq_redis)
-        found = 0
-        for entry in self.rq_redis.zrange(registry.key, 0, -1):
-            jid, _ = parse_composite_key(entry.decode())
-            try:
-                job = Job.fetch(jid, connection=self.rq_redis)
-            except NoSuchJobError:
-                continue
-            owner = owner_of(job.worker_name or "")
-            if job.func_name != INGEST_JOB or owner is None or self._alive(owner, beats, now):
-                continue
-            if not self.rq_redis.zrem(registry.key, entry):
-                continue  # another worker's sweep got it first
-            found += 1
-            run_id, dataset, options = job.args
-            job.delete()
-            state = RunState(self.redis, run_id)
-            if state.meta().get("total") is not None or state.stage() in (Stage.failed, Stage.cancelled):
-                continue  # it had finished, or the run is over
-            why = f"ingest of {dataset} died with worker {owner[0]}"
-            deaths = self.redis.hincrby(state.keys.meta, "ingest_deaths", 1)
-            if deaths >= self.max_lost:
-                state.fail(f"{why}, {deaths} times: given up; start the run again under a new id")
-                cancel(self.rq_redis, run_id)
-                log.warning("run %s: %s, %d times: run failed", run_id, why, deaths)
-                continue
-            state.record_error(-1, "", f"{why}; taken up again from its last flush", "reaper")
-            enqueue_ingest(self.rq_redis, run_id, dataset, options)
-            log.warning("run %s: %s; queued again", run_id, why)
-        return found
-
     def _requeue_lost(self, run_id: str, registry: StartedJobRegistry) -> list[str]:
         k = RunKeys(run_id)
+        total = RunState(self.redis, run_id).meta().total
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hget(k.meta, "total")
         pipe.hmget(k.counts, "done", "failed")
         pipe.hlen(k.inflight)
         pipe.scard(k.abandoned)
-        total, (done, failed), in_flight, abandoned = pipe.execute()
+        (done, failed), in_flight, abandoned = pipe.execute()
         busy = run_queue(self.rq_redis, run_id).count or self.rq_redis.zcard(registry.key)
-        if total is None or int(done or 0) + int(failed or 0) >= int(total) or busy or in_flight or abandoned:
+        if total is None or int(done or 0) + int(failed or 0) >= total or busy or in_flight or abandoned:
             self._idle_since.pop(run_id, None)
             return []
         since = self._idle_since.setdefault(run_id, time.monotonic())
@@ -141,11 +93,13 @@ class Reaper:
         pipe.get(scratch)
         pipe.delete(scratch)
         bitmap = pipe.execute()[1] or b""
-        bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8))[: int(total)]  # Redis bitmaps are big-endian
-        missing = np.flatnonzero(bits == 0).tolist() + list(range(len(bits), int(total)))
+        bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8))[:total]  # Redis bitmaps are big-endian
+        missing = np.flatnonzero(bits == 0).tolist() + list(range(len(bits), total))
         return [self._abandoned(run_id, int(i), "its job was lost (a worker died as it took it)") for i in missing]
 
-    def _check(self, run_id: str, registry: StartedJobRegistry, entry: str, beats: dict, now: float) -> str:
+    def _check(
+        self, run_id: str, registry: StartedJobRegistry, entry: str, beats: dict[str, WorkerBeat], now: float
+    ) -> str:
         jid, _ = parse_composite_key(entry)
         try:
             job = Job.fetch(jid, connection=self.rq_redis)
@@ -160,7 +114,7 @@ class Reaper:
                 job.delete()
             return "stale"
         owner = owner_of(job.worker_name or "")
-        if owner is None or self._alive(owner, beats, now):
+        if owner is None or owner_alive(owner, beats, lost_after_s=self.lost_after_s, instance=self.instance):
             return "alive"
         if not self.rq_redis.zrem(registry.key, entry):
             return "taken"  # another worker's sweep got it first
@@ -169,15 +123,6 @@ class Reaper:
         if what != "requeued":
             job.delete()  # finished or given up: nothing will run it again
         return what
-
-    def _alive(self, owner: tuple[str, str], beats: dict, now: float) -> bool:
-        name, instance = owner
-        if instance == self.instance:
-            return True
-        beat = beats.get(name)
-        if beat is None or beat.get("instance") != instance or beat.get("state") == "stopped":
-            return False
-        return now - float(beat.get("ts") or 0) <= self.lost_after_s
 
     def _abandoned(self, run_id: str, index: int, why: str, instance: str = "") -> str:
         state = RunState(self.redis, run_id)

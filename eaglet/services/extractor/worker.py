@@ -1,7 +1,7 @@
 """Entry point of an extractor worker: ``python -m eaglet.services.extractor.worker``.
 
-Listens to the control queue (ingest jobs) and to the queue of every run that is extracting, in
-RQ burst mode, looking again for new runs whenever the queues run dry. A heartbeat thread reports
+Listens to the queue of every run that is extracting, in RQ burst mode, looking again for new runs
+whenever the queues run dry (a run's ingest queues its samples as it reads them). A heartbeat thread reports
 the worker's state, its inference server's health and the data volume's free space to Redis.
 """
 
@@ -26,18 +26,18 @@ from rq.exceptions import StopRequested
 
 from eaglet.services.extractor import jobs
 from eaglet.services.extractor.extract import Extractor
-from eaglet.services.extractor.reaper import Reaper, rq_worker_name
+from eaglet.services.extractor.reaper import Reaper
 from eaglet.shared import heartbeats, keys
 from eaglet.shared.config import Settings
 from eaglet.shared.heartbeats import WorkerState
-from eaglet.shared.keys import CONTROL_QUEUE, RunKeys, queue_name
-from eaglet.shared.runstate import Stage
+from eaglet.shared.jobqueue import rq_worker_name
+from eaglet.shared.keys import queue_name
+from eaglet.shared.records import ACTIVE_STAGES
+from eaglet.shared.runstate import RunState
 from eaglet.shared.store import partial_path, sample_path
 
 log = logging.getLogger(__name__)
-ACTIVE = {Stage.ingesting, Stage.extracting}
 IDLE_POLL_S = 1.0
-LOST_HEARTBEATS = 3  # a worker is dead after this many heartbeat intervals without one (as the gateway judges)
 REDIS_BACKOFF_S = (1, 2, 5)
 STAGE_EMA = 0.1  # weight of the newest sample in the stage averages: about the last 20 samples count
 
@@ -62,13 +62,12 @@ class Status:
 
 def active_runs(redis: Redis) -> list[str]:
     """Runs that are ingesting or extracting, oldest first."""
-    return [r for r in redis.zrange(keys.RUNS, 0, -1) if redis.hget(RunKeys(r).meta, "stage") in ACTIVE]
+    return [r for r in redis.zrange(keys.RUNS, 0, -1) if RunState(redis, r).stage() in ACTIVE_STAGES]
 
 
 def active_queues(redis: Redis, rq_redis: Redis, runs: list[str] | None = None) -> list[Queue]:
-    """The control queue, then each extracting run's queue, oldest run first."""
-    names = [CONTROL_QUEUE] + [queue_name(r) for r in (active_runs(redis) if runs is None else runs)]
-    return [Queue(name, connection=rq_redis) for name in names]
+    """Each extracting run's queue, oldest run first."""
+    return [Queue(queue_name(r), connection=rq_redis) for r in (active_runs(redis) if runs is None else runs)]
 
 
 def make_reaper(extractor: Extractor, rq_redis: Redis, settings: Settings) -> Reaper:
@@ -83,7 +82,7 @@ def make_reaper(extractor: Extractor, rq_redis: Redis, settings: Settings) -> Re
         redis=extractor.redis,
         rq_redis=rq_redis,
         instance=extractor.instance,
-        lost_after_s=LOST_HEARTBEATS * settings.heartbeat_interval_s,
+        lost_after_s=settings.lost_after_s,
         max_lost=settings.max_attempts,
         sample_id_of=sample_id_of,
         partial_of=remove_partial,
@@ -188,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.is_set():
             try:
                 queues = active_queues(redis, rq_redis)
+                if not queues:  # no run is extracting: nothing to listen to yet
+                    failures = 0
+                    if args.burst:
+                        break
+                    stop.wait(IDLE_POLL_S)
+                    continue
                 n += 1
                 worker = SimpleWorker(queues, connection=rq_redis, name=rq_worker_name(name, instance, n))
                 worked = worker.work(burst=True, logging_level="WARNING", max_jobs=1000)
@@ -204,8 +209,6 @@ def main(argv: list[str] | None = None) -> int:
             if worker._stop_requested:  # RQ's own SIGTERM/SIGINT handler asked for a warm stop
                 break
             if not worked:
-                if args.burst and not any(q.name != CONTROL_QUEUE for q in queues):
-                    break
                 stop.wait(IDLE_POLL_S)
     except StopRequested:  # SIGTERM while idle between bursts: RQ's handler is still installed
         log.info("%s: stopping", name)

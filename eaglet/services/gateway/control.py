@@ -1,36 +1,31 @@
 """Run control: start, cancel and retry runs. Takes its Redis connections and plain values, never settings.
 
 RQ pickles its jobs, so it gets a connection of its own that leaves replies as bytes (``queue_redis``);
-run state is read and written as text. The run's record itself (meta, counters) is written by ingest
-when it starts; here the id is only claimed in the run list, atomically, so two gateway replicas never
-queue the same run twice.
+run state is read and written as text. A run is created by ingest's ``create_run`` (the one place a run id
+is claimed) and its ingest queued on the control queue, for an ingest worker.
 """
 
 import logging
 import secrets
 import time
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis import Redis
 
+from eaglet.services.ingest.runs import create_run
 from eaglet.shared import jobqueue, keys
 from eaglet.shared.ids import check_id
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState, Stage
 
 log = logging.getLogger(__name__)
 
-FINISHED = (Stage.done, Stage.failed, Stage.cancelled)
 RETRYABLE = (Stage.extracting, Stage.extracted)
 
 
 class RunNotFound(LookupError):
     """No run of that id is registered."""
-
-
-class RunExists(ValueError):
-    """The run id is taken: runs are never overwritten."""
 
 
 class DatasetRefused(ValueError):
@@ -41,19 +36,12 @@ class WrongStage(ValueError):
     """The run's stage does not allow the action (cancel a finished run, retry one that is training)."""
 
 
-class RunOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    max_tokens: int | None = Field(None, ge=2, description="Longest sample kept; ingest's default when null")
-    overlong: Literal["truncate", "reject"] | None = Field(None, description="What to do with longer samples")
-
-
 class StartRun(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dataset: str = Field(min_length=1, description="A JSONL file under one of the gateway's dataset roots")
     run_id: str | None = Field(None, description="1-128 of [A-Za-z0-9._-]; generated when null")
-    options: RunOptions = RunOptions()
+    options: RunOptions = Field(default_factory=RunOptions, description="How the dataset is ingested")
 
     @field_validator("run_id")
     @classmethod
@@ -67,7 +55,7 @@ class RunStarted(BaseModel):
     job_id: str
 
 
-class RunCancelled(BaseModel):
+class Cancellation(BaseModel):
     run_id: str
     stage: Stage
     dropped_jobs: int
@@ -97,11 +85,10 @@ def resolve_dataset(dataset: str, roots: list[Path]) -> Path:
     return real
 
 
-def start_run(redis: Redis, queue_redis: Redis, *, run_id: str, dataset: Path, options: RunOptions) -> RunStarted:
-    """Claims ``run_id`` and queues the ingest of ``dataset``; ingest creates the run's record."""
-    if RunState(redis, run_id).exists() or not redis.zadd(keys.RUNS, {run_id: time.time()}, nx=True):
-        raise RunExists(f"run {run_id!r} exists already; pick another id")
-    job_id = jobqueue.enqueue_ingest(queue_redis, run_id, str(dataset), options.model_dump(exclude_none=True))
+def queue_run(redis: Redis, queue_redis: Redis, *, run_id: str, dataset: Path, options: RunOptions) -> RunStarted:
+    """Creates the run (``RunExists`` if the id is taken) and queues its ingest for an ingest worker."""
+    create_run(redis, run_id, dataset, options)
+    job_id = jobqueue.enqueue_ingest(queue_redis, run_id)
     log.info("run %s: ingest of %s queued as %s", run_id, dataset, job_id)
     return RunStarted(run_id=run_id, dataset=str(dataset), job_id=job_id)
 
@@ -113,16 +100,15 @@ def _existing(redis: Redis, run_id: str) -> RunState:
     return state
 
 
-def cancel_run(redis: Redis, queue_redis: Redis, run_id: str) -> RunCancelled:
+def cancel_run(redis: Redis, queue_redis: Redis, run_id: str) -> Cancellation:
     """Marks the run cancelled (workers see it and stop) and drops its queued jobs."""
     state = _existing(redis, run_id)
-    stage = state.stage()
-    if stage in FINISHED:
-        raise WrongStage(f"run {run_id!r} is {stage} already: nothing to cancel")
-    state.set_stage(Stage.cancelled)
+    stage = state.cancel()
+    if stage is None:
+        raise WrongStage(f"run {run_id!r} is {state.stage()} already: nothing to cancel")
     dropped = jobqueue.cancel(queue_redis, run_id)
     log.info("run %s: cancelled at stage %s, %d queued jobs dropped", run_id, stage, dropped)
-    return RunCancelled(run_id=run_id, stage=Stage.cancelled, dropped_jobs=dropped)
+    return Cancellation(run_id=run_id, stage=Stage.cancelled, dropped_jobs=dropped)
 
 
 def retry_failed(redis: Redis, queue_redis: Redis, run_id: str) -> RetryQueued:

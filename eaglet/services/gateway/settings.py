@@ -1,4 +1,4 @@
-"""The gateway's settings: eaglet's ``Settings`` plus what only the gateway reads, all from ``EAGLET_*``."""
+"""The gateway's settings: eaglet's status settings plus what only the gateway reads, all from ``EAGLET_*``."""
 
 from pathlib import Path
 from typing import Annotated
@@ -6,11 +6,10 @@ from typing import Annotated
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from eaglet.shared.config import Settings
-from eaglet.shared.status import StatusConfig
+from eaglet.shared.config import StatusSettings
 
 
-class GatewaySettings(Settings):
+class GatewaySettings(StatusSettings):
     host: str = "127.0.0.1"
     """Where ``python -m eaglet.services.gateway.main`` listens; 0.0.0.0 in a container."""
 
@@ -25,33 +24,10 @@ class GatewaySettings(Settings):
     read_requires_token: bool = False
     """Ask for the bearer token on the GET endpoints too (the page, /status, /runs/{id}, /metrics)."""
 
-    status_window_s: float = Field(60.0, gt=0)
-    """Rates and the recent error rate are taken over this many seconds."""
-
-    stall_factor: float = Field(5.0, gt=0)
-    """Stalled: no completion for this many times the usual interval between completions..."""
-
-    stall_min_s: float = Field(60.0, gt=0)
-    """...and never for less than this."""
-
-    error_rate_threshold: float = Field(0.05, ge=0, le=1)
-
-    status_max_runs: int = Field(100, ge=1)
-    """Most runs one /status page or one /metrics scrape reads."""
-
     @field_validator("dataset_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: object) -> object:
         return [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
-
-    def status_config(self) -> StatusConfig:
-        return StatusConfig(
-            window_s=self.status_window_s,
-            stall_factor=self.stall_factor,
-            stall_min_s=self.stall_min_s,
-            lost_after_s=self.lost_after_s,
-            error_rate_threshold=self.error_rate_threshold,
-        )
 
     @model_validator(mode="after")
     def _check_token(self) -> "GatewaySettings":

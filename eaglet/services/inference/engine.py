@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eaglet.shared.target import eagle3_layer_ids
+from eaglet.shared.layers import default_layer_ids
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class ReferenceEngine:
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
         self.max_positions = getattr(config, "max_position_embeddings", 1 << 30)
-        self.aux_layer_ids = eagle3_layer_ids(self.num_layers)
+        self.aux_layer_ids = default_layer_ids(self.num_layers)
         log.info("engine: %s on %s (%s), aux layers %s", model_dir, self.device, self.dtype, self.aux_layer_ids)
 
     @torch.inference_mode()

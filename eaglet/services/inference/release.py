@@ -35,9 +35,6 @@ WAITING = {Stage.extracted, Stage.waiting_for_gpus}
 
 
 class ReleaseSettings(Settings):
-    release_gpus_when_done: bool = False
-    """Stop the server once no run is extracting and a finished extraction waits for the GPUs."""
-
     release_poll_s: float = Field(5.0, gt=0)
     """Seconds between looks at the runs."""
 

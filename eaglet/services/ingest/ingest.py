@@ -10,31 +10,17 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import BinaryIO
 
 from transformers import PreTrainedTokenizerBase
 
 from eaglet.services.ingest import records
 from eaglet.services.ingest.chat import tokenize_conversation
 from eaglet.services.ingest.records import BadLine, Conversation, parse_line
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.samples import SampleWriter
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class IngestOptions:
-    max_tokens: int = 4096
-    """Longest sample kept; longer ones are truncated or rejected (``overlong``)."""
-    overlong: Literal["truncate", "reject"] = "reject"
-    limit: int | None = None
-    """Stop after this many samples (for trials)."""
-
-    def __post_init__(self):
-        if self.max_tokens < 2:
-            raise ValueError(f"max_tokens={self.max_tokens}: must be at least 2")
-        if self.overlong not in ("truncate", "reject"):
-            raise ValueError(f"overlong={self.overlong!r}: use 'truncate' or 'reject'")
 
 
 @dataclass
@@ -59,7 +45,7 @@ def ingest_dataset(
     path: Path,
     tokenizer: PreTrainedTokenizerBase,
     writer: SampleWriter,
-    options: IngestOptions,
+    options: RunOptions,
     *,
     vocab_size: int,
     on_error: Callable[[str, str], None],
@@ -131,7 +117,7 @@ def _tokens(record, tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list
     return record.input_ids, record.loss_mask
 
 
-def _fit(ids: list[int], mask: list[int], options: IngestOptions) -> tuple[list[int], list[int], bool]:
+def _fit(ids: list[int], mask: list[int], options: RunOptions) -> tuple[list[int], list[int], bool]:
     if len(ids) <= options.max_tokens:
         return ids, mask, False
     if options.overlong == "reject":

@@ -1,79 +1,61 @@
-"""Starting a run: register it in Redis, ingest its dataset, queue every sample for extraction.
+"""Ingesting a created run: describe its target model, read its dataset, queue every sample for extraction.
 
-``start_run`` is what ``eaglet ingest`` calls; ``ingest_run`` is the same as an RQ job, which the
-gateway's ``POST /runs`` queues on the control queue.
+``ingest_run`` starts the ingest of a run made by ``create_run`` (eaglet/services/ingest/runs.py), or takes it
+up from its last flush if the process that ran it died: the cursor is in the run's record. ``eaglet ingest``
+calls it in its own process; ``ingest_job`` is the same as an RQ job on the control queue, run by an ingest
+worker (eaglet/services/ingest/worker.py).
 """
 
-import json
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from redis import Redis
 from transformers import AutoTokenizer
 
-from eaglet.services.ingest.ingest import IngestOptions, IngestResult, ingest_dataset
+from eaglet.services.ingest.ingest import IngestResult, ingest_dataset
+from eaglet.services.ingest.runs import create_run
 from eaglet.shared.config import Settings
-from eaglet.shared.ids import check_id
 from eaglet.shared.jobqueue import cancel, enqueue_samples
+from eaglet.shared.layers import default_layer_ids
+from eaglet.shared.records import ACTIVE_STAGES, RunMeta
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet, SampleWriter
 from eaglet.shared.store import samples_dir
-from eaglet.shared.target import eagle3_layer_ids, model_config, resolve_model_dir
+from eaglet.shared.target import resolve_model_dir, text_config
 
 log = logging.getLogger(__name__)
 ENQUEUE_BATCH = 1000
 
 
-class RunExists(ValueError):
-    """A run id that is already taken: runs are never overwritten."""
+class NoIngestToTakeUp(ValueError):
+    """The run is unknown, its ingest is over, or the run has ended: there is nothing to ingest."""
 
 
-def start_run(redis: Redis, settings: Settings, run_id: str, dataset: Path, options: IngestOptions) -> IngestResult:
-    check_id(run_id, "run id")
-    dataset = Path(dataset)
-    if not dataset.is_file():
-        raise FileNotFoundError(f"dataset {dataset}: no such file")
-    state = RunState(redis, run_id)
-    if state.exists():
-        raise RunExists(f"run {run_id!r} exists already; pick another id")
-    model_dir = resolve_model_dir(settings.model, settings.model_cache_dir)
-    config = model_config(model_dir)
-    num_layers = config["num_hidden_layers"]
-    max_tokens = min(options.max_tokens, config.get("max_position_embeddings", options.max_tokens))
-    options = IngestOptions(**{**asdict(options), "max_tokens": max_tokens})
-    state.create(
-        dataset=str(dataset),
-        model=settings.model,
-        model_dir=str(model_dir),
-        hidden_size=config["hidden_size"],
-        num_layers=num_layers,
-        vocab_size=config["vocab_size"],
-        aux_layer_ids=json.dumps(eagle3_layer_ids(num_layers)),
-        options=json.dumps(asdict(options)),
-    )
-    log.info("run %s: ingesting %s for %s", run_id, dataset, model_dir)
-    return _ingest_or_fail(redis, settings, state, None)
+def ingest_new_run(redis: Redis, settings: Settings, run_id: str, dataset: Path, options: RunOptions) -> IngestResult:
+    """``create_run``, then ``ingest_run`` in this process: what ``eaglet ingest DATASET`` does."""
+    create_run(redis, run_id, dataset, options)
+    return ingest_run(redis, settings, run_id)
 
 
-def resume_run(redis: Redis, settings: Settings, run_id: str) -> IngestResult:
-    """Takes up the ingest of a run whose ingest died, from its last flush (the cursor in the run's meta)."""
+def ingest_run(redis: Redis, settings: Settings, run_id: str) -> IngestResult:
+    """Ingests a created run from its cursor: from the top if it never flushed, else from its last flush."""
     state = RunState(redis, run_id)
     meta = state.meta()
-    if not meta or "total" in meta or state.stage() not in (Stage.ingesting, Stage.extracting):
-        raise RunExists(f"run {run_id!r} has no ingest to take up (stage {meta.get('stage')})")
-    cursor = IngestResult(**json.loads(meta["ingest_cursor"])) if meta.get("ingest_cursor") else None
-    log.info("run %s: ingest taken up again at line %d", run_id, cursor.lines if cursor else 0)
-    return _ingest_or_fail(redis, settings, state, cursor)
-
-
-def _ingest_or_fail(redis: Redis, settings: Settings, state: RunState, cursor: IngestResult | None) -> IngestResult:
-    meta = state.meta()
+    if meta.dataset is None or meta.total is not None or meta.stage not in ACTIVE_STAGES:
+        raise NoIngestToTakeUp(f"run {run_id!r} has no ingest to take up (stage {meta.stage})")
+    cursor = IngestResult(**meta.ingest_cursor) if meta.ingest_cursor else None
+    if cursor:
+        log.info("run %s: ingest taken up again at line %d", run_id, cursor.lines)
     try:
+        if meta.model_dir is None:
+            meta = _describe_target(state, settings, meta)
+        log.info("run %s: ingesting %s for %s", run_id, meta.dataset, meta.model_dir)
         return _ingest(redis, settings, state, meta, cursor)
     except Exception as e:
         # The run can't complete without its whole dataset: it ends failed with the reason, in /status.
-        fail_ingest(state, f"ingest of {meta['dataset']} stopped: {type(e).__name__}: {e}")
+        fail_ingest(state, f"ingest of {meta.dataset} stopped: {type(e).__name__}: {e}")
         raise
 
 
@@ -84,8 +66,30 @@ def fail_ingest(state: RunState, reason: str) -> None:
     cancel(state.redis, state.run_id)
 
 
-def _ingest(redis: Redis, settings: Settings, state: RunState, meta: dict, cursor: IngestResult | None) -> IngestResult:
-    run_id, dataset, model_dir = state.run_id, Path(meta["dataset"]), Path(meta["model_dir"])
+def _describe_target(state: RunState, settings: Settings, meta: RunMeta) -> RunMeta:
+    """Records the target model the run is ingested for; ``max_tokens`` is capped at the model's context."""
+    model_dir = resolve_model_dir(settings.model, settings.model_cache_dir)
+    config = text_config(model_dir)  # a wrapper class (Kimi-K2.5) keeps the language model's config inside
+    num_layers = config["num_hidden_layers"]
+    options = RunOptions(**meta.options)
+    context = config.get("max_position_embeddings", options.max_tokens)
+    target = RunMeta(
+        model=settings.model,
+        model_dir=str(model_dir),
+        hidden_size=config["hidden_size"],
+        num_layers=num_layers,
+        vocab_size=config["vocab_size"],
+        aux_layer_ids=default_layer_ids(num_layers),
+        options=asdict(replace(options, max_tokens=min(options.max_tokens, context))),
+    )
+    state.update_meta(target)
+    return state.meta()
+
+
+def _ingest(
+    redis: Redis, settings: Settings, state: RunState, meta: RunMeta, cursor: IngestResult | None
+) -> IngestResult:
+    run_id, dataset, model_dir = state.run_id, Path(meta.dataset), Path(meta.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     folder = samples_dir(settings.data_dir, run_id)
     # Read before the writer cuts the files back to the cursor (a map past a file's end faults when read).
@@ -98,7 +102,7 @@ def _ingest(redis: Redis, settings: Settings, state: RunState, meta: dict, curso
         # The cursor is recorded before the samples are queued: a resume never cuts off a queued sample. One
         # recorded but never queued (died in between) is queued again by the workers' sweep for lost samples.
         writer.flush()
-        state.set_meta(ingest_cursor=json.dumps(result.cursor()))
+        state.update_meta(RunMeta(ingest_cursor=result.cursor()))
         if pending:
             if state.stage() == Stage.ingesting:
                 state.start_extraction()
@@ -114,8 +118,8 @@ def _ingest(redis: Redis, settings: Settings, state: RunState, meta: dict, curso
         dataset,
         tokenizer,
         writer,
-        IngestOptions(**json.loads(meta["options"])),
-        vocab_size=int(meta["vocab_size"]),
+        RunOptions(**meta.options),
+        vocab_size=meta.vocab_size,
         on_error=lambda sample_id, message: state.record_error(-1, sample_id, message, "ingest", final=True),
         on_sample=on_sample,
         result=result,
@@ -123,7 +127,7 @@ def _ingest(redis: Redis, settings: Settings, state: RunState, meta: dict, curso
     )
     flush()
     writer.close({"dataset": str(dataset), "model_dir": str(model_dir), "bad_lines": result.bad_lines})
-    state.set_meta(bad_lines=result.bad_lines, truncated=result.truncated, loss_tokens=result.loss_tokens)
+    state.update_meta(RunMeta(bad_lines=result.bad_lines, truncated=result.truncated, loss_tokens=result.loss_tokens))
     if result.samples == 0:
         state.fail(f"no valid sample in {dataset.name} ({result.bad_lines} bad lines)")
     state.set_total(result.samples, result.tokens)
@@ -131,13 +135,9 @@ def _ingest(redis: Redis, settings: Settings, state: RunState, meta: dict, curso
     return result
 
 
-def ingest_run(run_id: str, dataset: str, options: dict) -> dict:
-    """RQ job: ``start_run`` with the worker's settings and connection; the same job queued again after its
-    worker died (eaglet/services/extractor/reaper.py) takes the ingest up where it last flushed."""
+def ingest_job(run_id: str) -> dict:
+    """RQ job: ``ingest_run`` with the worker's settings and connection. Queued again after its worker died
+    (eaglet/services/ingest/resume.py), it takes the ingest up where it last flushed."""
     settings = Settings()
     redis = Redis.from_url(settings.redis_url, decode_responses=True)  # run state is text; RQ's own client is not
-    if RunState(redis, run_id).exists():
-        result = resume_run(redis, settings, run_id)
-    else:
-        result = start_run(redis, settings, run_id, Path(dataset), IngestOptions(**options))
-    return asdict(result)
+    return asdict(ingest_run(redis, settings, run_id))

@@ -1,16 +1,22 @@
 """Responses written by the target itself: EAGLE-3 drafters learn best on the target's own text.
 
-Reads prompts (JSONL ``{"id", "prompt"}``), asks the inference server for the target's answer to
-each, and writes conversations (``{"id", "messages": [user, assistant]}``) ready for ingest.
+``eaglet regenerate PROMPTS OUT`` reads prompts (JSONL ``{"id", "prompt"}``), asks the inference server
+for the target's answer to each, and writes conversations (``{"id", "messages": [user, assistant]}``) ready
+for ingest.
 """
 
+import argparse
 import json
 import logging
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from eaglet.shared.config import Settings
+from eaglet.shared.target import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -48,3 +54,31 @@ def regenerate(
                 log.info("regenerate: %d/%d", n, len(prompts))
     tmp.rename(out_file)
     return len(prompts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eaglet regenerate", description=__doc__)
+    parser.add_argument("prompts", type=Path, help='JSONL of {"id", "prompt"}')
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--concurrency", type=int, default=8)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(settings.model, settings.model_cache_dir))
+    n = regenerate(
+        args.prompts,
+        args.out,
+        tokenizer,
+        settings.inference_url,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        concurrency=args.concurrency,
+    )
+    sys.stdout.write(f"{n} conversations written to {args.out}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -40,13 +40,7 @@ RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIR
 UNLOCK = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-class GpuHandoverSettings(Settings):
-    release_gpus_when_done: bool = False
-    """One GPU set serves both services in turn: the inference service frees it once no run is extracting (and
-    sets ``gpus_released`` on the runs that wait), and the trainer waits for that before it trains."""
-
-
-class FollowSettings(GpuHandoverSettings):
+class FollowSettings(Settings):
     train_gpus: int = Field(0, ge=0)
     """Trainer processes (one per GPU) through torchrun; 0 trains in one plain process (CPU)."""
 
@@ -74,7 +68,7 @@ def lock_key(run_id: str) -> str:
 
 
 def trainer_command(settings: FollowSettings, run_id: str) -> list[str]:
-    args = ["-m", "eaglet.services.trainer.main", "--run", run_id]
+    args = ["-m", "eaglet.services.trainer.main", "--run-id", run_id]  # torchrun would take --run for its --run-path
     if settings.release_gpus_when_done:
         args.append("--wait-for-gpus")
     if settings.eval_prompts:

@@ -13,6 +13,7 @@ from eaglet.services.gateway.deps import (
     StatusConfigDep,
     TokenDep,
 )
+from eaglet.services.ingest.runs import RunExists
 from eaglet.shared.status import RunReport, read_run
 
 router = APIRouter(prefix="/runs", tags=["runs"])
@@ -32,7 +33,7 @@ def get_run(run_id: RunIdDep, redis: RedisDep, config: StatusConfigDep, disk: Lo
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, dependencies=[TokenDep], summary="Start a run")
-def start_run(
+def post_run(
     body: control.StartRun, redis: RedisDep, queue_redis: QueueRedisDep, settings: SettingsDep
 ) -> control.RunStarted:
     """Queues the ingest of a dataset as a new run; ingest then queues every sample for extraction."""
@@ -42,13 +43,13 @@ def start_run(
         raise _field_error("dataset", str(e)) from e
     run_id = body.run_id or control.new_run_id()
     try:
-        return control.start_run(redis, queue_redis, run_id=run_id, dataset=dataset, options=body.options)
-    except control.RunExists as e:
+        return control.queue_run(redis, queue_redis, run_id=run_id, dataset=dataset, options=body.options)
+    except RunExists as e:
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
 
 
 @router.post("/{run_id}/cancel", dependencies=[TokenDep], summary="Cancel a run")
-def cancel_run(run_id: RunIdDep, redis: RedisDep, queue_redis: QueueRedisDep) -> control.RunCancelled:
+def cancel_run(run_id: RunIdDep, redis: RedisDep, queue_redis: QueueRedisDep) -> control.Cancellation:
     """Marks the run cancelled and drops its queued samples; samples in flight finish."""
     try:
         return control.cancel_run(redis, queue_redis, run_id)

@@ -1,6 +1,9 @@
-"""The GPU proof of eaglet's SGLang dump plugin (issue 9), run on an H200 machine after bench/gpu/install.sh.
+"""The GPU runs of eaglet's SGLang dump plugin and pipeline, in phases, on an H200 machine after bench/gpu/install.sh.
 
-    python3 bench/gpu/issue9.py PHASE [PHASE...]     (from the repo root; results in $OUT, default ./gpu-out)
+    python3 bench/gpu/phases.py PHASE [PHASE...]     (from the repo root; results in $OUT, default ./gpu-out)
+
+Each call's logs stay apart: the servers', workers' and trainer's in $OUT/logs/<call>/logs.tgz, where <call>
+is GPUBENCH_CALL (bench/gpu/run.sh sets it; default: the start time).
 
 Phases:
   smol      SGLang 0.5.17 + eaglet's plugin on a SmolLM2-135M-shape Llama (random bf16 weights), radix cache
@@ -32,18 +35,29 @@ from pathlib import Path
 
 import httpx
 
+from eaglet.shared.redisserver import RedisServer, ensure
+
 REPO = Path.cwd()
-ROOT = Path(os.environ.get("ISSUE9_ROOT", "/root"))  # everything the runs write, outside the tree
+ROOT = Path(os.environ.get("GPUBENCH_ROOT", "/root"))  # everything the runs write, outside the tree
 S = ROOT / "stage"
 OUT = Path(os.environ.get("OUT") or REPO / "gpu-out")
-OUT.mkdir(parents=True, exist_ok=True)
-LOGS = ROOT / "logs"
+CALL = os.environ.get("GPUBENCH_CALL") or time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+CALL_OUT = OUT / "logs" / CALL
+CALL_OUT.mkdir(parents=True, exist_ok=True)
+LOGS = ROOT / "logs" / CALL  # the raw logs: on the machine, tarred into CALL_OUT at the end
 LOGS.mkdir(parents=True, exist_ok=True)
 MODELS = ROOT / "models"
 DATA = ROOT / "data"
-DUMPS = Path(os.environ.get("ISSUE9_DUMPS", "/dev/shm/eaglet-dumps"))
-REDIS_PORT = os.environ.get("ISSUE9_REDIS_PORT", "6379")
-REDIS_URL = f"redis://127.0.0.1:{REDIS_PORT}/0"
+DUMPS = Path(os.environ.get("GPUBENCH_DUMPS", "/dev/shm/eaglet-dumps"))
+REDIS = RedisServer(
+    ROOT / "redis",
+    int(os.environ.get("GPUBENCH_REDIS_PORT", "6379")),
+    appendonly=False,
+    executable=f"{S}/redis/bin/redis-server",
+    env={"LD_LIBRARY_PATH": f"{S}/redis/lib"},
+    log=LOGS / "redis.log",
+)
+REDIS_URL = REDIS.url
 SGL_PORT, REF_PORT = 30000, 30001
 PY_EAGLET = f"{REPO}:{S}/esite:{S}/site"
 PY_SGL_PLAIN = f"{S}/site"
@@ -116,41 +130,9 @@ def wait_health(name: str, port: int, timeout: float) -> float:
     raise RuntimeError(f"{name}: no /health after {timeout}s:\n{tail(name, 60)}")
 
 
-def redis_ping() -> bool:
-    from redis import Redis
-
-    try:
-        return bool(Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
-    except Exception:
-        return False
-
-
 def redis_up() -> None:
-    """One redis-server for all phases and calls (it outlives this process: run state stays for later phases)."""
-    if redis_ping():
-        return
-    start(
-        "redis",
-        [
-            f"{S}/redis/bin/redis-server",
-            "--port",
-            REDIS_PORT,
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        "",
-        {"LD_LIBRARY_PATH": f"{S}/redis/lib"},
-    )
-    PROCS.pop("redis")
-    for _ in range(100):
-        if redis_ping():
-            return
-        time.sleep(0.1)
-    raise RuntimeError("redis-server did not start:\n" + tail("redis"))
+    """One redis-server for all phases and calls (never stopped here: run state stays for later phases)."""
+    ensure(REDIS)
 
 
 def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: float = 420) -> float:
@@ -249,11 +231,11 @@ def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, m
     sys.path[:0] = [str(REPO), f"{S}/esite"]
     from redis import Redis
 
-    from eaglet.services.ingest.ingest import IngestOptions
-    from eaglet.services.ingest.jobs import start_run
+    from eaglet.services.ingest.jobs import ingest_new_run
     from eaglet.shared import heartbeats
     from eaglet.shared.config import Settings
     from eaglet.shared.keys import RunKeys
+    from eaglet.shared.runoptions import RunOptions
     from eaglet.shared.runstate import RunState
 
     redis = Redis.from_url(REDIS_URL, decode_responses=True)
@@ -268,13 +250,13 @@ def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, m
         )
     t = time.time()
     while time.time() - t < 45:
-        alive = {w.get("worker") or w.get("name") for w in heartbeats.workers(redis)}
+        alive = set(heartbeats.workers(redis))
         if sum(1 for n in names if n in alive) == workers or len(heartbeats.workers(redis)) >= workers:
             break
         time.sleep(0.5)
     log(f"{run_id}: {workers} workers up in {time.time() - t:.0f}s")
     t_start = time.time()
-    res = start_run(redis, Settings(), run_id, dataset, IngestOptions(max_tokens=max_tokens))
+    res = ingest_new_run(redis, Settings(), run_id, dataset, RunOptions(max_tokens=max_tokens))
     state = RunState(redis, run_id)
     first = None
     while time.time() - t_start < timeout:
@@ -655,9 +637,9 @@ def phase_train8b() -> None:
         "7",
         "--max-len",
         "2048",
-        "--max-tokens",
+        "--tokens-per-batch",
         os.environ.get("TRAIN8B_TOKENS", "16384"),
-        "--workers",
+        "--loader-workers",
         "2",
         "--checkpoint-every",
         "100000",
@@ -699,13 +681,13 @@ def phase_drafter() -> None:
         "7",
         "--max-len",
         "2048",
-        "--max-tokens",
+        "--tokens-per-batch",
         "16384",
         "--draft-vocab-size",
         "8192",
         "--lr",
         "3e-4",
-        "--workers",
+        "--loader-workers",
         "2",
         "--checkpoint-every",
         "100000",
@@ -786,7 +768,7 @@ ESTIMATE_S = {"smol": 200, "real": 180, "speed8b": 300, "ref8b": 150, "train8b":
 def phase_models() -> None:
     """Builds the random-weight models ahead (the 8B one is 16 GB), while the rest is still being sent."""
     R = RESULTS.setdefault("models", {})
-    wanted = os.environ.get("ISSUE9_MODELS", "smol,8b").split(",")
+    wanted = os.environ.get("GPUBENCH_MODELS", "smol,8b").split(",")
     for kind, name in [(k, n) for k, n in (("smol", "smol"), ("8b", "l8b")) if k in wanted]:
         t = time.time()
         subprocess.run([sys.executable, "bench/gpu/mkmodel.py", kind, str(MODELS / name), f"{S}/tokenizer"], check=True)
@@ -805,11 +787,11 @@ PHASES = {
 
 
 def main() -> int:
-    state = ROOT / "issue9-results.json"
+    state = ROOT / "gpubench-results.json"
     if state.exists():
         RESULTS.update(json.loads(state.read_text()))
     rc = 0
-    deadline = float(os.environ.get("ISSUE9_DEADLINE_S", "1e9"))
+    deadline = float(os.environ.get("GPUBENCH_DEADLINE_S", "1e9"))
     try:
         for phase in sys.argv[1:]:
             log(f"=== {phase}")
@@ -835,7 +817,7 @@ def main() -> int:
                 state.write_text(json.dumps(RESULTS, default=str))
     finally:
         stop_all()
-        with tarfile.open(OUT / "logs.tgz", "w:gz") as t:
+        with tarfile.open(CALL_OUT / "logs.tgz", "w:gz") as t:
             for f in LOGS.glob("*.log"):
                 t.add(f, arcname=f.name)
     return rc

@@ -1,0 +1,16 @@
+"""A run's options: one shape from the request or the command line to the ingest."""
+
+import json
+
+import pytest
+
+from eaglet.shared.runoptions import RunOptions
+
+
+def test_run_options_round_trip_and_check_their_limits():
+    options = RunOptions(max_tokens=512, overlong="truncate", limit=3)
+    assert RunOptions(**json.loads(options.to_json())) == options
+    assert RunOptions(**{}) == RunOptions()
+    for bad in ({"max_tokens": 1}, {"overlong": "chop"}, {"limit": 0}):
+        with pytest.raises(ValueError):
+            RunOptions(**bad)
