@@ -99,6 +99,12 @@ for v in $versions; do
   ls "$VENV/wheels"/sglang-"$v"-*.whl >/dev/null 2>&1 || "$PIP" download -q --no-deps -d "$VENV/wheels" "sglang==$v"
 done
 
+# 0.5.17 importable too, for the model-family test: its own dir, put first on PYTHONPATH, with the
+# transformers, tokenizers and xgrammar it pins (the venv's newer transformers clashes with it at import).
+old="$VENV/sglang-0.5.17"
+[ -d "$old/sglang" ] || "$PIP" install -q --no-deps --target "$old" "$VENV"/wheels/sglang-0.5.17-*.whl \
+  transformers==5.12.1 tokenizers==0.22.2 xgrammar==0.2.1
+
 "$VENV/bin/python" -c "import sglang.srt.managers.tp_worker, sglang.srt.plugins, eaglet_sglang, eaglet.shared.dumpfile"
 echo "$stamp" >"$VENV/.installed"
 echo "$VENV ready in $(($(date +%s) - start)) s"

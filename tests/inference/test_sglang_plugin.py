@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from eaglet.shared.layers import default_layer_ids
+
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 CASES = Path(__file__).with_name("test_sglang_plugin_cases.py")
@@ -61,7 +63,7 @@ def _check_dump(dump_dir: Path, rid: str, prompt: list[int], dtype: str = "float
     validate_dump(dump, rid=rid, num_tokens=len(prompt), hidden_size=H)
     assert dump.metadata["dtype"] == dtype
     assert dump.metadata["model"] == "tiny-llama"
-    assert dump.aux_layer_ids == [2, LAYERS // 2, LAYERS - 3]
+    assert dump.aux_layer_ids == default_layer_ids(LAYERS)
     ids = torch.tensor(prompt, dtype=torch.float32)
     pos = torch.arange(len(prompt), dtype=torch.float32)
     assert torch.equal(dump.hidden_states[:, 0].float(), ids)
@@ -143,9 +145,9 @@ def test_without_native_final_states_the_logits_hook_supplies_them(sglang_cases)
 def test_capture_enabled_before_graphs(sglang_cases):
     results, _ = sglang_cases
     case = results["capture"]
-    assert case["default"] == [2, LAYERS // 2, LAYERS - 3]
+    assert case["default"] == default_layer_ids(LAYERS)
     assert case["chosen"] == [3, 5, 6]
-    assert case["already_on"] == [1, 2, 3]
+    assert case["already_on"] == default_layer_ids(LAYERS)  # the plugin's ids win over the server's
 
 
 def test_no_temp_files_left(sglang_cases):

@@ -97,7 +97,8 @@ def _cases(out: Path) -> dict:
         model = SimpleNamespace(
             pp_group=SimpleNamespace(is_last_rank=True),
             config=SimpleNamespace(num_hidden_layers=LAYERS),
-            model=SimpleNamespace(layers_to_capture=[]),
+            model=SimpleNamespace(layers_to_capture=[], layers=[SimpleNamespace() for _ in range(LAYERS)]),
+            logits_processor=LogitsProcessor.__new__(LogitsProcessor),
             capture_aux_hidden_states=False,
         )
         model.set_eagle3_layers_to_capture = lambda ids=None: LlamaForCausalLM.set_eagle3_layers_to_capture(model, ids)
@@ -109,6 +110,9 @@ def _cases(out: Path) -> dict:
     def new_worker(native_final=native, dtype=torch.float32):
         runner = ModelRunner.__new__(ModelRunner)
         runner.is_draft_worker = False
+        runner.server_args = SimpleNamespace(
+            cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend="breakable"))
+        )
         runner.model = standin_model()
         runner.init_attention_backends()  # hooked: enables capture, as at server start
         worker = TpModelWorker.__new__(TpModelWorker)
@@ -236,7 +240,7 @@ def _cases(out: Path) -> dict:
     forward(new_worker(native_final=False, dtype=torch.bfloat16), [(s, 0, 6)])
     results["stash"] = {"rid": s.rid, "prompt": ps}
 
-    # Capture: default layers, chosen layers (SGLang convention), and a server flag that already did it.
+    # Capture: default layers, chosen layers (SGLang convention), and after the server flag chose others.
     from eaglet_sglang.plugin import DumpPlugin, Settings, captured_layers
 
     default = standin_model()

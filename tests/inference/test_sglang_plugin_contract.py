@@ -188,13 +188,14 @@ def test_final_norm_states_reach_the_plugin(sglang_wheel):
         assert "not the LM head + logits_processor" in src
 
 
-def test_launch_flags_exist(sglang_wheel):
+@pytest.mark.parametrize("attn_dp_size", [1, 8])
+def test_launch_flags_exist(sglang_wheel, attn_dp_size):
     cfg = sglang_launch.LaunchConfig(
         model_path="m",
         dump_dir="d",
         sglang_version=sglang_wheel.version,
-        dp_size=2,
-        enable_dp_attention=True,
+        dp_size=2 if attn_dp_size == 1 else 1,
+        attn_dp_size=attn_dp_size,
         aux_layer_ids=[2, 16, 29],
         chunked_prefill_size=8192,
         mem_fraction_static=0.8,
@@ -202,6 +203,41 @@ def test_launch_flags_exist(sglang_wheel):
     flags = {a for a in sglang_launch.server_argv(cfg) if a.startswith("--")}
     missing = flags - sglang_wheel.server_flags()
     assert not missing, f"sglang {sglang_wheel.version} has no {sorted(missing)}"
+
+
+def test_refused_flags_name_this_version_s_flags(sglang_wheel):
+    src = "".join(  # aliases are spelled out where each version declares its flags
+        sglang_wheel.zip.read(i.filename).decode()
+        for i in sglang_wheel.zip.infolist()
+        if i.filename == "sglang/srt/server_args.py" or i.filename.startswith("sglang/srt/arg_groups/")
+    )
+    named = set(sglang_launch.REFUSED_FLAGS) | set(sglang_launch.OWNED_FLAGS)
+    if not versions.has_capture_flag(sglang_wheel.version):
+        named |= set(sglang_launch.REFUSED_BEFORE_CAPTURE_FLAG) | sglang_launch.PREFILL_GRAPH_FLAGS
+        named -= {"--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids"}
+        named -= {"--attn-dp-size", "--attention-data-parallel-size"}
+    missing = {f for f in named - sglang_wheel.server_flags() if f'"{f}"' not in src}
+    assert not missing, f"sglang {sglang_wheel.version} has no {sorted(missing)}"
+
+
+def test_modes_the_launcher_refuses(sglang_wheel):
+    """Two-batch overlap runs DeepSeek's later layers without capture; 0.5.17's CP gathers only the final states."""
+    body = ast.unparse(sglang_wheel.method("models/deepseek_v2.py", "DeepseekV2Model", "forward"))
+    assert "can_run_tbo" in body and "captured_last_layer_outputs" in body
+    if not versions.has_capture_flag(sglang_wheel.version):
+        assert "cp_all_gather_rerange_output(hidden_states" in body
+        assert f'TC_PIECEWISE = "{versions.TC_PIECEWISE}"' in sglang_wheel.source("model_executor/cuda_graph_config.py")
+
+
+def test_family_conventions_the_plugin_translates(sglang_wheel):
+    def body(path: str, cls: str) -> str:
+        return ast.unparse(sglang_wheel.method(path, cls, "set_eagle3_layers_to_capture"))
+
+    assert "layer_ids[0] == 1" in body("models/deepseek_v2.py", "DeepseekV2ForCausalLM")
+    assert "max(layer_ids) == num_layers" in body("models/gpt_oss.py", "GptOssForCausalLM")
+    assert "self.language_model.set_eagle3_layers_to_capture(layer_ids)" in body(
+        "models/kimi_k25.py", "KimiK25ForConditionalGeneration"
+    )
 
 
 def test_versions_agree():

@@ -5,7 +5,9 @@
   whether the forward ran eagerly or through a CUDA graph. Rows of eaglet requests are copied out
   at once and joined per request; a whole prompt is written by the writer thread.
 - AROUND ``ModelRunner.init_attention_backends``: where SGLang itself turns on EAGLE-3 capture,
-  before any CUDA graph is captured. Versions without the capture flag get it turned on here.
+  before any CUDA graph is captured. After it, the plugin sets the wanted layers in every version
+  (translating the ids to the model family's convention) and checks that the model reads exactly
+  those, else the server does not start.
 - AROUND ``LogitsProcessor.forward``: its ``hidden_states`` argument is the final layer after the
   final norm. Versions with the capture flag hand it back as ``logits_output.last_hidden_states``;
   for the others the hook keeps a reference while an eaglet forward runs.
@@ -21,6 +23,8 @@ from typing import Any
 import torch
 
 from eaglet.shared.ids import is_eaglet_rid
+from eaglet.shared.layers import default_layer_ids, layer_ids_problem, sglang_arg_ids
+from eaglet_sglang import versions
 from eaglet_sglang.collector import Collector, Rows, plan_rows
 from eaglet_sglang.writer import DumpJob, DumpWriter, HostChunk, copy_rows, record_event
 
@@ -37,13 +41,15 @@ class Settings:
     """``EAGLET_DUMP_TIMEOUT_S``: a request whose next chunk does not come within this is dropped (aborted)."""
     aux_layer_ids: list[int] | None = None
     """``EAGLET_AUX_LAYER_IDS`` (e.g. ``2,15,27``), SGLang's convention (the layer whose input is captured).
-    Unset: the model's default, [2, L//2, L-3]. Only used where the plugin enables capture itself."""
+    Unset: ``default_layer_ids(L)``. Checked against the model's layer count at server start."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError(f"EAGLET_DUMP_TIMEOUT_S={self.timeout_s}: give a positive number of seconds")
-        if self.aux_layer_ids is not None and (not self.aux_layer_ids or min(self.aux_layer_ids) < 1):
-            raise ValueError(f"EAGLET_AUX_LAYER_IDS={self.aux_layer_ids}: give layer indices >= 1, comma-separated")
+        if self.aux_layer_ids is not None:
+            problem = layer_ids_problem(self.aux_layer_ids, None)
+            if problem:
+                raise ValueError(f"EAGLET_AUX_LAYER_IDS={self.aux_layer_ids}: {problem}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
@@ -102,6 +108,7 @@ class DumpPlugin:
     def around_init_attention_backends(self, original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(runner, *args, **kwargs)
         if not getattr(runner, "is_draft_worker", False):
+            check_prefill_graph(runner.server_args)
             self.enable_capture(runner.model)
         return result
 
@@ -114,21 +121,40 @@ class DumpPlugin:
     # --- capture -------------------------------------------------------------------------------
 
     def enable_capture(self, model: Any) -> None:
-        """Turns on EAGLE-3 aux capture unless the server's own flag already did (must precede graph capture)."""
-        if getattr(model, "capture_aux_hidden_states", False):
-            log.info("EAGLE-3 capture already on (server flag): layers %s", captured_layers(model))
-            return
+        """Makes SGLang capture exactly the wanted layers, or refuses to start (must precede graph capture).
+
+        Runs after SGLang's own setup, which may already have called ``set_eagle3_layers_to_capture``
+        (the capture flag). Model families read the ids they are given differently (most add one,
+        DeepSeek adds one only when the first id is 1, GPT-OSS keeps them when the last is L), so
+        each convention is tried in turn and the list the model ends up reading is compared with
+        the wanted one.
+        """
+        name = type(model).__name__
         if not hasattr(model, "set_eagle3_layers_to_capture"):
-            raise RuntimeError(f"{type(model).__name__} has no set_eagle3_layers_to_capture: SGLang cannot capture it")
-        wanted = self.settings.aux_layer_ids
-        # SGLang adds one to each id it is given (it captures the input of layer id+1).
-        model.set_eagle3_layers_to_capture(None if wanted is None else [i - 1 for i in wanted])
-        got = captured_layers(model)
-        if wanted is not None and got != wanted:
-            log.warning(
-                "asked to capture layers %s, %s captures %s: recording %s", wanted, type(model).__name__, got, got
+            raise RuntimeError(f"{name} has no set_eagle3_layers_to_capture: SGLang cannot capture it")
+        site = capture_site(model)
+        wanted = self.settings.aux_layer_ids or default_layer_ids(site.num_layers)
+        problem = layer_ids_problem(wanted, site.num_layers)
+        if problem:
+            raise RuntimeError(f"{name}: aux layer ids {wanted}: {problem}")
+        tried: list[str] = []
+        for ids in (sglang_arg_ids(wanted), list(wanted)):
+            try:
+                model.set_eagle3_layers_to_capture(ids)
+            except IndexError as e:  # a family that indexes its layers with the ids it is given
+                tried.append(f"{ids} -> {e!r}")
+                continue
+            got = [int(i) for i in site.layers_owner.layers_to_capture]
+            if got == wanted:
+                break
+            tried.append(f"{ids} -> {got}")
+        else:
+            raise RuntimeError(
+                f"{name} cannot capture layers {wanted} (SGLang's convention): set_eagle3_layers_to_capture "
+                f"gave {'; '.join(tried)}. Choose other --aux-layer-ids."
             )
-        log.info("EAGLE-3 capture enabled by the eaglet plugin: layers %s", got)
+        _clear_stale_marks(site.layers_owner, wanted)
+        log.info("EAGLE-3 capture of %s: layers %s of %d", name, wanted, site.num_layers)
 
     def _snapshot(self, worker: Any, batch: Any) -> _Snapshot | None:
         if batch is None or batch.forward_mode is None or batch.forward_mode.is_decode_or_idle():
@@ -213,13 +239,91 @@ def _check_outputs(aux: Any, final: Any, num_aux: int, rows: int) -> str | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class CaptureSite:
+    """Where a served model keeps what the dumps need, found by walking its wrappers."""
+
+    layers_owner: Any
+    """The module whose ``layers_to_capture`` the forward reads (its ``layers`` are the decoder layers)."""
+    num_layers: int
+    logits_owner: Any
+    """The module whose ``logits_processor`` gets the final-norm states (and, beside them, the aux states)."""
+
+
+def _wrapped(model: Any) -> list[Any]:
+    """``model`` and what it wraps, breadth first, each module once.
+
+    Multimodal and wrapper classes hold the text model as ``language_model`` and/or ``model``
+    (Kimi-K2.5's ``model`` is a property returning ``language_model``); SGLang's own layer lookup
+    follows the same two attributes.
+    """
+    seen: set[int] = set()
+    order: list[Any] = []
+    queue = [model]
+    while queue:
+        obj = queue.pop(0)
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        order.append(obj)
+        queue += [getattr(obj, "language_model", None), getattr(obj, "model", None)]
+    return order
+
+
+def capture_site(model: Any) -> CaptureSite:
+    """Finds the capture list and the final-norm source of ``model``, or raises naming its class."""
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+
+    modules = _wrapped(model)
+    layers_owner = _layers_owner(model, modules)
+    logits_owner = next((m for m in modules if hasattr(m, "logits_processor")), None)
+    if logits_owner is None or not isinstance(logits_owner.logits_processor, LogitsProcessor):
+        raise RuntimeError(
+            f"{type(model).__name__}: found no SGLang LogitsProcessor under it (looked through "
+            f"{[type(m).__name__ for m in modules]}): the final-norm states are taken from its input"
+        )
+    return CaptureSite(layers_owner, len(layers_owner.layers), logits_owner)
+
+
+def _layers_owner(model: Any, modules: list[Any]) -> Any:
+    owner = next((m for m in modules if hasattr(m, "layers_to_capture")), None)
+    if owner is None or not hasattr(owner, "layers"):
+        raise RuntimeError(
+            f"{type(model).__name__}: found no module with layers_to_capture and layers under it (looked "
+            f"through {[type(m).__name__ for m in modules]} via .language_model / .model): the plugin cannot "
+            "check which layers SGLang captures"
+        )
+    return owner
+
+
 def captured_layers(model: Any) -> list[int]:
     """The layers whose input SGLang captures, in its own convention (``layers_to_capture``)."""
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers_to_capture", None)
-    if layers is None:
-        layers = getattr(model, "layers_to_capture", None)
-    return [int(i) for i in layers or []]
+    return [int(i) for i in _layers_owner(model, _wrapped(model)).layers_to_capture]
+
+
+def _clear_stale_marks(layers_owner: Any, wanted: list[int]) -> None:
+    """Unmarks layers an earlier call marked. Some families (Qwen MoE, Qwen3-Next, MiniMax) flag
+    each captured layer as ``_is_layer_to_capture`` and never clear the flag, so SGLang's own call
+    with other ids would leave extra layers captured."""
+    for i, layer in enumerate(layers_owner.layers):
+        if getattr(layer, "_is_layer_to_capture", False) and i not in wanted:
+            layer._is_layer_to_capture = False
+
+
+def check_prefill_graph(server_args: Any) -> None:
+    """Refuses a prefill CUDA graph that runs the logits processor inside the graph where the final
+    states come from its input (versions without the capture flag): on replay the hook never runs."""
+    import sglang
+
+    if versions.has_capture_flag(sglang.__version__):
+        return
+    backend = server_args.cuda_graph_config.prefill.backend
+    if backend == versions.TC_PIECEWISE:
+        raise RuntimeError(
+            f"SGLang {sglang.__version__} chose the {backend} prefill CUDA graph, which captures the logits "
+            "processor: no final-norm states would reach the dumps. Launch with --cuda-graph-backend-prefill "
+            "disabled (eaglet/services/inference/sglang_launch.py does)."
+        )
 
 
 def is_writer_rank() -> bool:

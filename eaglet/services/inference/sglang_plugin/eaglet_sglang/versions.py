@@ -19,6 +19,10 @@ LOGITS_FORWARD = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
 # beside them as ``LogitsProcessorOutput.last_hidden_states``). Older ones: the plugin enables capture.
 CAPTURE_FLAG_SINCE = (0, 5, 23)
 
+# The prefill CUDA graph backend (``cuda_graph_config.prefill.backend``) that captures the logits
+# processor too; where the final states come from its input (before the capture flag) it is refused.
+TC_PIECEWISE = "tc_piecewise"
+
 
 def parse(version: str) -> tuple[int, int, int]:
     """``"0.5.23"`` -> ``(0, 5, 23)``; a suffix such as ``.post1`` or ``rc0`` is ignored."""
