@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleWriter
 from eaglet.shared.store import sample_path, samples_dir, write_sample
-from eaglet.shared.target import eagle3_layer_ids
 
 
 def token_sequences(n: int, length: int, seed: int = 0, vocab: tuple[int, int] = (200, 260)) -> list[list[int]]:
@@ -39,7 +39,7 @@ def make_run(
     """Writes ``n`` samples and the run state; marks all done (``complete``) or all but the last. Returns layer ids."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     layers = model.config.num_hidden_layers
-    layer_ids = eagle3_layer_ids(layers)
+    layer_ids = default_layer_ids(layers)
     state = RunState(redis, run_id)
     state.create(model_dir=str(model_dir), hidden_size=model.config.hidden_size, num_layers=layers,
                  aux_layer_ids=layer_ids)  # fmt: skip

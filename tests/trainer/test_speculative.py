@@ -8,8 +8,8 @@ from eaglet.services.trainer import evaluate
 from eaglet.services.trainer.model import Drafter, DrafterConfig
 from eaglet.services.trainer.speculative import greedy_generate, speculative_generate
 from eaglet.services.trainer.train import Dist, TrainConfig, train
-from eaglet.shared.keys import RunKeys
-from eaglet.shared.target import eagle3_layer_ids
+from eaglet.shared.layers import default_layer_ids
+from eaglet.shared.runstate import RunState
 from tests.trainer.fixtures import make_run
 
 
@@ -53,7 +53,7 @@ def target(tiny_model_dir):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_speculative_output_equals_greedy(target, k):
-    layers = eagle3_layer_ids(target.config.num_hidden_layers)
+    layers = default_layer_ids(target.config.num_hidden_layers)
     prompt = torch.tensor([[1, 510, 2344, 300, 77, 9001, 12]])
     ref = greedy_generate(target, prompt, 40, eos=set())
     assert len(ref) == 40
@@ -69,7 +69,7 @@ def test_speculative_output_equals_greedy(target, k):
 
 
 def test_stops_at_eos_like_greedy(target):
-    layers = eagle3_layer_ids(target.config.num_hidden_layers)
+    layers = default_layer_ids(target.config.num_hidden_layers)
     prompt = torch.tensor([[5, 6, 7]])
     ref = greedy_generate(target, prompt, 30, eos=set())
     eos = {ref[10]}
@@ -97,9 +97,8 @@ def test_eval_of_a_trained_run_reports_to_redis(redis, tmp_path, tiny_model_dir)
     figures = evaluate.evaluate_run(redis=redis, run_id="ev", data_dir=tmp_path, target_dir=tiny_model_dir,
                                     prompts=prompts, k=3, max_new_tokens=12)  # fmt: skip
     assert figures["mismatches"] == 0 and figures["accept_length"] >= 1.0
-    stored = redis.hgetall(RunKeys("ev").eval)
-    assert stored["state"] == "done" and len(json.loads(stored["accept_rate"])) == 3
-    assert float(stored["speedup"]) > 0
+    stored = RunState(redis, "ev").eval()
+    assert stored.state == "done" and len(stored.accept_rate) == 3 and stored.speedup > 0
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert evaluate.load_prompts(prompts, tok)[0][-3:] == tok.apply_chat_template(
         [{"role": "user", "content": "Why is the sky blue?"}], add_generation_prompt=True, tokenize=True,

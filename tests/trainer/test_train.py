@@ -13,7 +13,7 @@ from safetensors import safe_open
 from eaglet.services.trainer import main as trainer_main
 from eaglet.services.trainer.checkpoint import list_states
 from eaglet.services.trainer.train import Dist, TrainConfig, train
-from eaglet.shared.keys import RunKeys
+from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.status import StatusConfig, read_run
 from eaglet.shared.store import checkpoints_dir, drafter_dir
@@ -63,8 +63,8 @@ def test_trainer_waits_for_the_flag(redis, tmp_path, tiny_model_dir, monkeypatch
     thread.start()
     time.sleep(1.0)
     assert thread.is_alive(), "the trainer must wait for extraction_complete"
-    waiting = redis.hgetall(RunKeys("r2").train)
-    assert set(waiting) == {"beat_at", "host", "pid"}, waiting  # alive, beating, nothing trained
+    waiting = RunState(redis, "r2").train()
+    assert set(waiting.to_redis()) == {"beat_at", "host", "pid"}, waiting  # alive, beating, nothing trained
     assert RunState(redis, "r2").stage() == Stage.extracting
     assert not checkpoints_dir(tmp_path, "r2").exists()
     RunState(redis, "r2").mark_done(11, 40, 0)  # the last sample: sets extraction_complete
@@ -86,7 +86,7 @@ def test_partial_run_trains_only_when_told(redis, tmp_path, tiny_model_dir, monk
             "--draft-vocab-size", "256", "--tokens-per-batch", "160", "--ttt-steps", "2",
             "--heldout-fraction", "0"]  # fmt: skip
     assert trainer_main.main(args) == 0
-    assert int(redis.hget(RunKeys("r3").train, "train_samples")) == 11  # the undone sample is left out
+    assert RunState(redis, "r3").train().train_samples == 11  # the undone sample is left out
 
 
 @pytest.mark.timeout(300)
@@ -168,6 +168,6 @@ def test_checkpoint_names_and_shapes_are_what_sglang_and_vllm_load(redis, tmp_pa
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
     assert config["vocab_size"] == V and config["draft_vocab_size"] == 300 and config["hidden_size"] == H
-    captured = [2, 3, 3]  # eagle3_layer_ids(6): inputs of layers 2, 3, 3
+    captured = default_layer_ids(6)  # [3, 4, 5]: inputs of layers 3, 4 and 5
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [c - 1 for c in captured]  # SGLang: +1
     assert config["eagle_aux_hidden_state_layer_ids"] == captured  # vLLM: input of layer i, as stored

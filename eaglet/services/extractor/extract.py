@@ -2,6 +2,10 @@
 
 Each attempt has its own rid (``eaglet:<run>:<sample>:<attempt>``), so a dump left by an earlier
 attempt or another request can never be taken for this one.
+
+Every dump records the layers the server captured. The first dump checked sets the run's captured layers
+(``RunMeta.captured_layers``, once); a later dump of other layers is refused and its sample failed at once, with
+both sets of layers in the reason: a server configured with other layers would refuse every retry the same way.
 """
 
 import errno
@@ -16,7 +20,7 @@ import torch
 from redis import Redis
 
 from eaglet.services.extractor.exceptions import SampleRejected, Transient
-from eaglet.shared.dumpfile import DumpInvalid, dump_path, read_dump, validate_dump
+from eaglet.shared.dumpfile import Dump, DumpInvalid, dump_path, read_dump, validate_dump
 from eaglet.shared.ids import make_rid
 from eaglet.shared.records import RunMeta
 from eaglet.shared.runstate import RunState, Stage
@@ -24,6 +28,10 @@ from eaglet.shared.samples import Sample, SampleSet
 from eaglet.shared.store import StoreError, sample_is_complete, sample_path, samples_dir, write_sample
 
 log = logging.getLogger(__name__)
+
+
+class LayersDisagree(SampleRejected):
+    """The dump's captured layers are not the run's: no retry on the same server can give others."""
 
 
 @dataclass
@@ -47,6 +55,8 @@ class Extractor:
     on_timings: Callable[[dict[str, float]], None] | None = None  # seconds per stage of each stored sample
     _samples: dict[str, SampleSet] = field(default_factory=dict)
     _meta: dict[str, RunMeta] = field(default_factory=dict)
+    _layers: dict[str, list[int]] = field(default_factory=dict)
+    """Each run's captured layers, once known: set once in Redis, they never change."""
 
     def extract(self, run_id: str, index: int) -> str:
         """Runs one job to an outcome in Redis; returns what happened, for the job's log."""
@@ -85,7 +95,7 @@ class Extractor:
                 continue
             except SampleRejected as e:
                 rejected += 1
-                if rejected >= self.max_attempts:
+                if rejected >= self.max_attempts or isinstance(e, LayersDisagree):
                     state.mark_failed(sample.index, sample.sample_id, str(e), self.worker)
                     return "failed"
                 state.record_error(sample.index, sample.sample_id, f"attempt {attempt}: {e}", self.worker)
@@ -117,6 +127,7 @@ class Extractor:
             lap("dump_wait")
             meta = self._run_meta(state)
             validate_dump(dump, rid=rid, num_tokens=len(sample.input_ids), hidden_size=meta.hidden_size)
+            self._check_layers(state, sample, dump, rid)
             lap("check")
             tensors = {
                 "input_ids": torch.from_numpy(sample.input_ids),
@@ -138,6 +149,24 @@ class Extractor:
             raise SampleRejected(str(e)) from e
         finally:
             dump_file.unlink(missing_ok=True)
+
+    def _check_layers(self, state: RunState, sample: Sample, dump: Dump, rid: str) -> None:
+        """The dump's captured layers must be the run's; the first dump checked sets them."""
+        try:
+            layers = dump.aux_layer_ids
+        except (KeyError, ValueError) as e:
+            raise DumpInvalid(f"dump {rid}: no readable aux_layer_ids in its metadata") from e
+        if not isinstance(layers, list) or not all(type(i) is int for i in layers):
+            raise DumpInvalid(f"dump {rid}: aux_layer_ids {layers!r} is not a list of layer ids")
+        run_layers = self._layers.get(state.run_id)
+        if run_layers is None:
+            run_layers = self._layers[state.run_id] = state.claim_captured_layers(layers)
+        if layers != run_layers:
+            raise LayersDisagree(
+                f"sample {sample.sample_id}: its dump captured layers {layers}, the run's samples were captured at "
+                f"layers {run_layers}; one run's samples must all come from the same layers (is this inference "
+                "server set to capture other layers than the one that extracted the first samples?)"
+            )
 
     def _drop_old_dumps(self, run_id: str, sample_id: str, attempt: int) -> None:
         # Dumps of earlier attempts whose worker died, or whose answer never came (a server killed after it

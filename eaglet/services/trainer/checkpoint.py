@@ -18,11 +18,18 @@ vLLM's ``Eagle3LlamaForCausalLM`` (``model_executor/models/llama_eagle3.py``)::
 
 No ``embed_tokens``: both engines use the target's when the draft has none (and hidden sizes match).
 
-Auxiliary layer ids: the stored states are the inputs of target layers ``aux_layer_ids`` (e.g. [2, 15, 27]
-for 30 layers). SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` and captures the input of
-layer id + 1, so it gets ``[i - 1 for i in aux_layer_ids]`` ([1, 14, 26]). vLLM reads the top-level
-``eagle_aux_hidden_state_layer_ids`` first, where id i is the input of layer i (id 0: the embeddings), so it
-gets ``aux_layer_ids`` unchanged. Each engine finds its own convention in the one config.
+config.json is a Llama's of one layer, shaped by ``model.drafter_config`` (the target's attention shape, or for
+latent-attention targets head_dim 128 with hidden / 128 heads and 8 KV heads). Its RoPE is plain: the target's
+``rope_theta`` with ``rope_scaling: null`` and no ``rope_parameters``, so both engines build the default rotary
+embedding, with no YaRN attention factor, exactly as the drafter was trained. ``max_position_embeddings`` is the
+target's.
+
+Auxiliary layer ids: the run's captured layers, as its dumps recorded them (``RunMeta.captured_layers``): the
+stored states are the inputs of target layers ``aux_layer_ids`` (e.g. [2, 15, 27] for 30 layers). SGLang reads
+``eagle_config.eagle_aux_hidden_state_layer_ids`` and captures the input of layer id + 1, so it gets
+``[i - 1 for i in aux_layer_ids]`` ([1, 14, 26]). vLLM reads the top-level ``eagle_aux_hidden_state_layer_ids``
+first, where id i is the input of layer i (id 0: the embeddings), so it gets ``aux_layer_ids`` unchanged. Each
+engine finds its own convention in the one config.
 """
 
 import json
@@ -37,6 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eaglet.services.trainer.model import Drafter, DrafterConfig
+from eaglet.shared.layers import sglang_arg_ids
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +112,14 @@ def load_target_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 def drafter_hf_config(cfg: DrafterConfig, target_config: dict, aux_layer_ids: list[int], dtype: torch.dtype) -> dict:
     """config.json of the drafter. ``aux_layer_ids``: the captured layer inputs (see the module docstring)."""
     text = target_config.get("text_config", target_config)
-    keep = ("rope_parameters", "rope_scaling", "rope_theta", "bos_token_id", "eos_token_id", "pad_token_id")
+    keep = ("bos_token_id", "eos_token_id", "pad_token_id")
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         **{k: text[k] for k in keep if k in text},
+        # the drafter's own RoPE, never the target's scaling (see the module docstring)
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -127,7 +138,7 @@ def drafter_hf_config(cfg: DrafterConfig, target_config: dict, aux_layer_ids: li
         "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),  # vLLM: input of layer i
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux_layer_ids],  # SGLang adds 1
+            "eagle_aux_hidden_state_layer_ids": sglang_arg_ids(aux_layer_ids),  # SGLang adds 1
             "use_aux_hidden_state": True,
         },
         "eaglet": {"aux_layer_ids_captured": list(aux_layer_ids), "drafter_config": cfg.to_dict()},
@@ -163,11 +174,11 @@ def save_drafter(
     return out_dir
 
 
-def load_drafter(drafter_dir: Path, embed: torch.Tensor, inv_freq: torch.Tensor | None = None) -> Drafter:
+def load_drafter(drafter_dir: Path, embed: torch.Tensor) -> Drafter:
     """Rebuilds a drafter from its own config.json and weights (never from flags)."""
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
     cfg = DrafterConfig(**config["eaglet"]["drafter_config"])
-    model = Drafter(cfg, embed, inv_freq)
+    model = Drafter(cfg, embed)
     with safe_open(str(Path(drafter_dir) / "model.safetensors"), framework="pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
     model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()})

@@ -22,13 +22,12 @@ from redis import Redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglet.services.trainer.checkpoint import load_drafter
-from eaglet.services.trainer.model import target_inv_freq
 from eaglet.services.trainer.speculative import SpecStats, greedy_generate, speculative_generate
 from eaglet.shared.config import Settings
 from eaglet.shared.records import EvalResult
 from eaglet.shared.runstate import RunState
 from eaglet.shared.store import drafter_dir
-from eaglet.shared.target import model_config, resolve_model_dir
+from eaglet.shared.target import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +133,9 @@ def evaluate_run(
     folder = Path(drafter_path or drafter_dir(data_dir, run_id))
     config = json.loads((folder / "config.json").read_text())
     layer_ids = config["eagle_aux_hidden_state_layer_ids"]  # input of layer i = transformers' hidden_states[i]
-    text = model_config(target_dir)
-    text = text.get("text_config", text)
     embed = target.get_input_embeddings().weight.detach()
-    drafter = load_drafter(folder, embed.float(), target_inv_freq(text, config["head_dim"])).to(device, dtype).eval()
+    # the drafter's own plain RoPE, from its config, as the engines run it
+    drafter = load_drafter(folder, embed.float()).to(device, dtype).eval()
     ids = load_prompts(prompts, tokenizer, num_prompts)
     state = RunState(redis, run_id) if redis is not None else None
 

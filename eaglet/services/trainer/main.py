@@ -2,7 +2,7 @@
 release its GPUs), then trains the drafter.
 
     python -m eaglet.services.trainer.main --run RUN [options]
-    torchrun --nproc-per-node 8 -m eaglet.services.trainer.main --run RUN [options]
+    torchrun --nproc-per-node 8 -m eaglet.services.trainer.main --run-id RUN [options]
 
 It never trains on a partial run unless ``--allow-partial`` is given. GPU release is signalled by the field
 ``gpus_released`` (unix s) in the run's meta hash, set by whoever stops the inference service.
@@ -23,6 +23,7 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
+import torch.distributed as dist
 from redis import Redis
 from redis.exceptions import RedisError
 
@@ -43,7 +44,8 @@ class RunCancelled(RuntimeError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eaglet train", description="Train the EAGLE-3 drafter of a run.")
-    p.add_argument("--run", required=True, help="run id")
+    # torchrun reads an abbreviated --run as its own --run-path and stops: behind torchrun the id is --run-id
+    p.add_argument("--run", "--run-id", dest="run", required=True, help="run id (--run-id behind torchrun)")
     p.add_argument("--allow-partial", action="store_true", help="train on the samples extracted so far, not waiting")
     p.add_argument("--wait-for-gpus", action="store_true", help=f"also wait for the run's {GPUS_RELEASED} flag")
     p.add_argument("--poll-s", type=float, default=2.0, help="seconds between checks of the flags")
@@ -183,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         stop_beat.set()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,10 +10,28 @@ Pure math: no loading, no devices, no parallelism. One step of the drafter::
 
 Parameter names are the checkpoint's names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``), so the state dict
 is written as it is. The token embedding is the target's, frozen, and is not a parameter.
+
+The drafter is a Llama layer whatever the target (``drafter_config``):
+
+* Attention shape. A target with grouped-query attention of a usable shape (head size known exactly and a
+  multiple of 8, heads a multiple of KV heads) lends it: GPT-OSS's 64 heads x 64 with 8 KV heads, Qwen3-MoE's
+  32 x 128 with 4, Llama's own. A target with multi-head latent attention (DeepSeek-V3, Kimi-K2: ``kv_lora_rank``
+  or ``q_lora_rank`` in its config) has no such shape to lend: its heads are latent projections (128 + 64 dims
+  for queries and keys, 128 for values), and copying its head count would make 128 heads of hidden / 128 = 56
+  dims with 128 KV heads. It, and any target whose head shape is not usable, gets head_dim 128, hidden / 128
+  heads and 8 KV heads (the greatest divisor of the heads up to 8): DeepSeek-V3 and Kimi-K2 get 56 x 128 with
+  8 KV heads. The trainer's ``draft_head_dim`` / ``draft_kv_heads`` other than 0 override the rule (heads are
+  then hidden / draft_head_dim for any target). SGLang's ``LlamaForCausalLMEagle3`` takes any such shape: it
+  reads ``head_dim`` from config.json and sizes q/k/v on 2 * hidden inputs.
+* RoPE. Plain RoPE over the target's ``rope_theta``, with no scaling: the target's YaRN or Llama-3 scaling stays
+  out of the drafter. The engines rebuild the drafter's RoPE from its config.json, and for YaRN they also scale
+  cos/sin by an attention factor (mscale) that training would have to reproduce exactly; a drafter trained and
+  served with plain RoPE has nothing to get wrong. Training uses exactly what config.json declares.
 """
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +55,9 @@ class DrafterConfig:
     num_aux_hidden_states: int = 3
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    """The target's base, for plain (unscaled) RoPE."""
     max_position_embeddings: int = 4096
+    """The target's context length."""
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -76,7 +96,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """Default (unscaled) RoPE frequencies [head_dim / 2]; ``target_inv_freq`` gives the scaled variants."""
+    """Plain RoPE frequencies [head_dim / 2]: the drafter's, and what the engines compute for a config with
+    ``rope_theta`` and no ``rope_scaling``."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
@@ -85,19 +106,69 @@ def rope_theta(text_config: dict) -> float:
     return float(params.get("rope_theta", text_config.get("rope_theta", 10000.0)))
 
 
-def target_inv_freq(text_config: dict, head_dim: int) -> torch.Tensor:
-    """RoPE frequencies [head_dim / 2] as the target computes them (scaled variants included, through
-    transformers' table), from its text config."""
-    params = text_config.get("rope_parameters") or text_config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return rope_inv_freq(head_dim, rope_theta(text_config))
-    from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+MLA_KEYS = ("kv_lora_rank", "q_lora_rank")
+"""A config with either names a multi-head latent attention target (DeepSeek-V2/V3, Kimi-K2)."""
+RULE_HEAD_DIM = 128
+RULE_KV_HEADS = 8
 
-    config = AutoConfig.for_model(**{k: v for k, v in text_config.items() if k not in ("architectures",)})
-    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    return inv_freq.float()
+
+def target_attention(text_config: dict) -> tuple[int, int, int] | None:
+    """The target's (heads, KV heads, head_dim) when a Llama attention can take them over: grouped-query attention
+    whose head size is known exactly and a multiple of 8 (what attention kernels take). None for latent attention
+    and for shapes that do not add up."""
+    if any(text_config.get(k) is not None for k in MLA_KEYS):
+        return None
+    hidden, heads = text_config["hidden_size"], text_config["num_attention_heads"]
+    kv = text_config.get("num_key_value_heads") or heads
+    head_dim = text_config.get("head_dim") or (hidden // heads if hidden % heads == 0 else 0)
+    if head_dim <= 0 or head_dim % 8 or heads % kv:
+        return None
+    return heads, kv, head_dim
+
+
+def attention_shape(text_config: dict, head_dim: int = 0, kv_heads: int = 0) -> tuple[int, int, int]:
+    """The drafter's (heads, KV heads, head_dim) for a target (see the module docstring). ``head_dim`` and
+    ``kv_heads``: 0 for the rule, else forced (heads = hidden / head_dim)."""
+    hidden = text_config["hidden_size"]
+    kept = target_attention(text_config) if head_dim == 0 else None
+    if kept is not None:
+        heads, kv, head_dim = kept
+    else:
+        head_dim = head_dim or RULE_HEAD_DIM
+        if hidden % head_dim:
+            raise ValueError(
+                f"hidden_size {hidden} is not a multiple of the drafter's head_dim {head_dim}: "
+                "set draft_head_dim to a divisor of it"
+            )
+        heads = hidden // head_dim
+        kv = math.gcd(heads, RULE_KV_HEADS)
+    return heads, kv_heads or kv, head_dim
+
+
+def drafter_config(
+    text_config: dict[str, Any],
+    *,
+    vocab_size: int,
+    draft_vocab_size: int,
+    num_aux_hidden_states: int = 3,
+    head_dim: int = 0,
+    kv_heads: int = 0,
+) -> DrafterConfig:
+    """The drafter shaped after a target's text config (a wrapper's ``text_config``, or the config itself)."""
+    heads, kv, head_dim = attention_shape(text_config, head_dim, kv_heads)
+    return DrafterConfig(
+        hidden_size=text_config["hidden_size"],
+        intermediate_size=text_config["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        num_aux_hidden_states=num_aux_hidden_states,
+        rms_norm_eps=text_config.get("rms_norm_eps", 1e-5),
+        rope_theta=rope_theta(text_config),
+        max_position_embeddings=text_config.get("max_position_embeddings", 4096),
+    )
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -243,7 +314,7 @@ class MidLayer(nn.Module):
 
 
 class Drafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig, embed_tokens: torch.Tensor, inv_freq: torch.Tensor | None = None):
+    def __init__(self, cfg: DrafterConfig, embed_tokens: torch.Tensor):
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(cfg.num_aux_hidden_states * cfg.target_hidden_size, cfg.hidden_size, bias=False)
@@ -254,9 +325,7 @@ class Drafter(nn.Module):
         self.register_buffer("embed_tokens", embed_tokens, persistent=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # target_id - draft_id
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
-        if inv_freq is None:
-            inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
     def set_vocab(self, draft_ids: torch.Tensor) -> None:
         """draft_ids [Vd]: the target ids of the draft vocabulary, in draft-id order."""

@@ -5,7 +5,8 @@ Progress goes to the run's ``TrainProgress`` record (the Redis hash ``RunKeys(ru
     step, total_steps, epoch, epochs
     loss            weighted TTT loss of the last step (forward KL, steps weighted 0.8^i)
     acc             per unroll step, the share of loss positions where the drafter's top token is the target's
-                    top token (over the draft vocabulary)
+                    top token; a position whose target top token is outside the draft vocabulary counts as a miss
+                    (as SpecForge counts; seen only with the OOV mask on, else the top over the draft vocabulary)
     lr, tokens_per_s (all ranks, padding excluded), eta_s
     last_checkpoint path of the newest trainer checkpoint; drafter_dir once written
     heldout_loss, heldout_acc   on the held-out split, at each checkpoint and at the end
@@ -13,7 +14,10 @@ Progress goes to the run's ``TrainProgress`` record (the Redis hash ``RunKeys(ru
     started_at, updated_at, finished_at (unix s)
 
 Whether the trainer waits, trains, evaluates, is done or failed (and why) is the run's stage, set by the entry point.
-Every step's loss and accuracy are also appended to ``<run>/checkpoints/metrics.jsonl`` (the loss curve)."""
+Every step's loss, accuracy, learning rate and gradient norm are also appended to
+``<run>/checkpoints/metrics.jsonl`` (the loss curve) and, with throughput and held-out figures, written as
+TensorBoard curves under ``<run>/tensorboard/`` (``curves``). With several processes every figure is the global
+batch's, the same as one process would report on it."""
 
 import json
 import logging
@@ -24,7 +28,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal, get_args
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from redis import Redis
@@ -34,13 +37,14 @@ from torch import nn
 
 from eaglet.services.trainer import checkpoint as ckpt
 from eaglet.services.trainer import data
-from eaglet.services.trainer.model import Drafter, DrafterConfig, rope_theta, target_inv_freq
+from eaglet.services.trainer.curves import Curves, curves_dir
+from eaglet.services.trainer.model import Drafter, DrafterConfig, drafter_config
 from eaglet.services.trainer.vocab import build_vocab, count_tokens
 from eaglet.shared.keys import RunKeys
 from eaglet.shared.records import RunMeta, TrainProgress
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
-from eaglet.shared.store import checkpoints_dir, drafter_dir, samples_dir
+from eaglet.shared.store import checkpoints_dir, drafter_dir, read_metadata, sample_path, samples_dir
 from eaglet.shared.target import model_config
 
 log = logging.getLogger(__name__)
@@ -61,12 +65,20 @@ class TrainConfig:
     """Loss weight of step i is step_weight ** i."""
     draft_vocab_size: int = 32768
     """Clipped to the target vocabulary. 32K suits 128K+ vocabularies; 8K-16K for small models."""
-    epochs: int = 1
-    """Full passes over the training split (when max_steps is 0)."""
+    draft_head_dim: int = 0
+    """The drafter's head size (0: the target's, or 128 for latent-attention targets such as DeepSeek-V3); with
+    another value the drafter has hidden_size / draft_head_dim heads."""
+    draft_kv_heads: int = 0
+    """The drafter's KV heads (0: the target's, or 8 for latent-attention targets)."""
+    epochs: int = 10
+    """Full passes over the training split (when max_steps is 0). With ``tokens_per_batch`` 2048 a typical sample
+    (1-4K tokens) is about one step per epoch: as many updates per sample as SpecForge's published recipe
+    (batch 1 per GPU, 10 epochs, lr 1e-4). bench/recipe.py: more updates per sample, better held-out accuracy."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: ``epochs`` full passes). The schedule spans the total either way."""
-    tokens_per_batch: int = 16384
-    """Padded tokens per batch per process; samples are grouped by length under this budget."""
+    tokens_per_batch: int = 2048
+    """Padded tokens per batch per process; samples are grouped by length under this budget (a longer one trains
+    alone)."""
     max_len: int = 8192
     """Longer samples are cut to this many tokens."""
     lr: float = 1e-4
@@ -112,6 +124,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr must be in (0, 1), got {self.lr}")
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"TrainConfig.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        for name in ("draft_head_dim", "draft_kv_heads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be 0 (the rule) or more, got {getattr(self, name)}")
         if self.loader_workers < 0:
             raise ValueError(
                 f"TrainConfig.loader_workers must be 0 (read in the loop) or more, got {self.loader_workers}"
@@ -175,52 +190,73 @@ class TTTObjective(nn.Module):
         return torch.log_softmax(logits, -1), usable
 
     def forward(self, input_ids, loss_mask, hidden_states, aux_hidden_states):
+        """(weighted loss, per-step losses [ttt_steps], per-step accuracies [ttt_steps]) as this process's share of
+        the global batch while training across processes: summed over the processes they are what one process
+        would compute on the whole batch. Otherwise (one process, evaluation) the figures of this batch alone."""
         T = input_ids.shape[1]
         tlogp, usable = self.targets(hidden_states)
         outs = self.drafter.forward_ttt(input_ids, aux_hidden_states, self.cfg.ttt_steps, self.attention)
+        # step i at position t predicts token t + 2 + i from the target's logits at t + 1 + i; a step past the
+        # batch's length has no position here (but may elsewhere: every process counts every step)
+        masks = [loss_mask[:, 2 + i :] & usable[:, 1 + i : T - 1] for i in range(len(outs))]  # [B, max(T-2-i, 0)]
+        # accuracy is over every loss position, the unusable ones counting as misses: comparable across vocabularies
+        positions = [loss_mask[:, 2 + i :].sum() for i in range(len(outs))]
+        counts, positions = self.global_counts(torch.stack([m.sum() for m in masks] + positions)).split(len(outs))
         total = torch.zeros((), device=input_ids.device)
-        losses, accs, counts = [], [], []
-        for i, out in enumerate(outs):
-            n = T - 2 - i  # step i at position t predicts token t + 2 + i from the target's logits at t + 1 + i
-            if n <= 0:
-                break
-            m = loss_mask[:, 2 + i :] & usable[:, 1 + i : 1 + i + n]  # [B, n]
-            lp = tlogp[:, 1 + i : 1 + i + n][m]  # [N, Vd]
-            logq = torch.log_softmax(self.drafter.logits(out[:, :n][m]).float(), -1)  # logits only where needed
+        losses, accs = [], []
+        for i, (out, m) in enumerate(zip(outs, masks, strict=True)):
+            lp = tlogp[:, 1 + i : T - 1][m]  # [N, Vd]
+            logq = torch.log_softmax(self.drafter.logits(out[:, : m.shape[1]][m]).float(), -1)  # only where needed
             kl = (lp.exp() * (lp - logq)).sum(-1)  # forward KL(target || drafter) [N]
-            count = max(int(m.sum()), 1)
-            loss_i = kl.sum() / count
+            loss_i = kl.sum() / counts[i]
             total = total + self.cfg.step_weight**i * loss_i
             losses.append(loss_i.detach())
-            accs.append((logq.argmax(-1) == lp.argmax(-1)).float().sum().detach() / count)
-            counts.append(count)
+            accs.append((logq.argmax(-1) == lp.argmax(-1)).float().sum().detach() / positions[i])
         return total, torch.stack(losses), torch.stack(accs)
 
+    def global_counts(self, local: torch.Tensor) -> torch.Tensor:
+        """Position counts (per step): over every process's batch while training across processes, so the loss is
+        the mean over the global batch's positions whatever their split, as on one process."""
+        counts = local.float()
+        if self.training and dist.is_initialized():
+            dist.all_reduce(counts)
+        return counts.clamp(min=1)
 
-def build_drafter(target_dir: Path, draft_ids: torch.Tensor, init_from_target: bool) -> tuple[Drafter, torch.Tensor]:
-    """A fresh drafter shaped after the target, and the target's LM head [V, H] for the loss."""
+
+def build_drafter(
+    target_dir: Path, draft_ids: torch.Tensor, cfg: TrainConfig, layers: list[int], shape: DrafterConfig | None = None
+) -> tuple[Drafter, torch.Tensor]:
+    """A fresh drafter shaped after the target (``model.drafter_config``) reading the states of ``layers``, or as
+    ``shape`` says (a resumed run keeps its checkpoint's shape), and the target's LM head [V, H] for the loss."""
     tcfg = model_config(target_dir)
-    text = tcfg.get("text_config", tcfg)
     tensors = ckpt.load_target_tensors(target_dir)
-    cfg = DrafterConfig(
-        hidden_size=text["hidden_size"],
-        intermediate_size=text["intermediate_size"],
-        num_attention_heads=text["num_attention_heads"],
-        num_key_value_heads=text.get("num_key_value_heads", text["num_attention_heads"]),
-        head_dim=text.get("head_dim") or 0,
-        vocab_size=tensors["embed"].shape[0],
-        draft_vocab_size=len(draft_ids),
-        rms_norm_eps=text.get("rms_norm_eps", 1e-5),
-        rope_theta=rope_theta(text),
-        max_position_embeddings=text.get("max_position_embeddings", 4096),
-    )
-    model = Drafter(cfg, tensors["embed"].float(), target_inv_freq(text, cfg.head_dim))
+    if shape is None:
+        shape = drafter_config(
+            tcfg.get("text_config", tcfg), vocab_size=tensors["embed"].shape[0], draft_vocab_size=len(draft_ids),
+            num_aux_hidden_states=len(layers), head_dim=cfg.draft_head_dim, kv_heads=cfg.draft_kv_heads,
+        )  # fmt: skip
+    model = Drafter(shape, tensors["embed"].float())
     model.set_vocab(draft_ids)
-    if init_from_target:
+    if cfg.init_from_target:
         with torch.no_grad():
             model.lm_head.weight.copy_(tensors["lm_head"][draft_ids].float())
             model.norm.weight.copy_(tensors["norm"].float())
     return model, tensors["lm_head"].float()
+
+
+def captured_layers(meta: RunMeta, data_dir: Path, run_id: str, items: list[data.Item]) -> list[int]:
+    """The layers the run's stored states were captured at: the run's record, set by its first dump; for a run
+    stored before that record existed, a stored sample's own metadata. RuntimeError when neither says."""
+    if meta.captured_layers:
+        return meta.captured_layers
+    for item in items[:1]:
+        raw = read_metadata(sample_path(data_dir, run_id, item.sample_id)).get("aux_layer_ids")
+        if raw:
+            return [int(i) for i in json.loads(raw)]
+    raise RuntimeError(
+        f"run {run_id}: the layers its hidden states were captured at are not known (neither the run nor its "
+        "stored samples record them): the drafter's config would tell the engines to feed it other layers"
+    )
 
 
 def lr_lambda(total: int, warmup: int, min_ratio: float):
@@ -239,11 +275,13 @@ def read_done(redis: Redis, run_id: str, total: int) -> list[int]:
 
 
 class Reporter:
-    """Progress of rank 0 to Redis, the console bar and metrics.jsonl; other ranks report nothing."""
+    """Progress of rank 0 to Redis, the console bar, metrics.jsonl and the TensorBoard curves; other ranks report
+    nothing."""
 
-    def __init__(self, state: RunState | None, folder: Path, enabled: bool):
+    def __init__(self, state: RunState | None, folder: Path, curves_folder: Path, enabled: bool):
         self.state, self.enabled = state, enabled
         self.metrics = folder / "metrics.jsonl"
+        self.curves = Curves(curves_folder) if enabled else None
         self.bar: Progress | None = None
         self.task = None
 
@@ -267,10 +305,22 @@ class Reporter:
         if self.enabled:
             with open(self.metrics, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            self.curves.step(row["step"], row["loss"], row["acc"], row["lr"], row["grad_norm"])
+
+    def throughput(self, step: int, tokens_per_s: float) -> None:
+        if self.enabled:
+            self.curves.throughput(step, tokens_per_s)
+
+    def heldout(self, step: int, figures: dict) -> None:
+        self.set(TrainProgress(**figures))
+        if self.enabled and figures:
+            self.curves.heldout(step, figures["heldout_loss"], figures["heldout_acc"])
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+        if self.curves is not None:
+            self.curves.close()
 
 
 @dataclass(slots=True)
@@ -285,7 +335,7 @@ class Session:
     folder: Path  # the run's checkpoints
     train_items: list[data.Item]
     held_items: list[data.Item]
-    aux_layer_ids: list[int]
+    aux_layer_ids: list[int]  # the layers the stored states were captured at
     draft_ids: torch.Tensor  # [Vd] target ids of the draft vocabulary
     objective: TTTObjective
     model: nn.Module  # the objective, wrapped in DDP across processes
@@ -312,9 +362,9 @@ def train(*, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path,
     try:
         while s.step < s.total:
             train_epoch(s)
+        final = finish(s)
     finally:
         s.rep.close()
-    final = finish(s) if env.main else {}
     if env.world > 1:
         dist.barrier()
     return final
@@ -329,11 +379,13 @@ def start(redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cf
     train_items, held_items = data.split_items(samples, indexes, cfg.heldout_fraction)
     if not train_items:
         raise RuntimeError(f"run {run_id}: no extracted samples to train on ({len(indexes)} done)")
+    layers = captured_layers(meta, data_dir, run_id, train_items)
     folder = checkpoints_dir(data_dir, run_id)
     folder.mkdir(parents=True, exist_ok=True)
     saved = ckpt.load_latest_state(folder)
-    draft_ids = saved["draft_ids"] if saved is not None else draft_vocab(samples, train_items, target_dir, cfg)
-    objective = make_objective(target_dir, draft_ids, cfg, env)
+    draft_ids = saved["draft_ids"] if saved is not None else draft_vocab(samples, train_items, target_dir, cfg, env)
+    shape = DrafterConfig(**saved["drafter_config"]) if saved is not None else None
+    objective = make_objective(target_dir, draft_ids, cfg, env, layers, shape)
     per_epoch = len(epoch_batches(train_items, cfg, env, 0))
     if per_epoch == 0:
         raise RuntimeError(f"run {run_id}: {len(train_items)} samples make no batch for {env.world} processes")
@@ -343,9 +395,9 @@ def start(redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cf
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, cfg.min_lr_ratio))
     s = Session(
         cfg=cfg, env=env, run_id=run_id, data_dir=data_dir, target_dir=target_dir, folder=folder,
-        train_items=train_items, held_items=held_items, aux_layer_ids=meta.aux_layer_ids or [],
+        train_items=train_items, held_items=held_items, aux_layer_ids=layers,
         draft_ids=draft_ids, objective=objective, model=distribute(objective, env), opt=opt, sched=sched,
-        rep=Reporter(state, folder, env.main), total=total,
+        rep=Reporter(state, folder, curves_dir(data_dir, run_id), env.main), total=total,
     )  # fmt: skip
     if saved is not None:
         resume(s, saved)
@@ -353,20 +405,35 @@ def start(redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cf
     return s
 
 
-def draft_vocab(samples: SampleSet, items: list[data.Item], target_dir: Path, cfg: TrainConfig) -> torch.Tensor:
-    """The draft vocabulary [Vd]: the target ids most frequent in the training split's loss positions."""
-    tcfg = model_config(target_dir)
-    vocab_size = int(tcfg.get("text_config", tcfg)["vocab_size"])
-    counts = count_tokens(((samples[it.index].input_ids, samples[it.index].loss_mask) for it in items), vocab_size)
-    return build_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always=eos_ids(target_dir))
+def draft_vocab(
+    samples: SampleSet, items: list[data.Item], target_dir: Path, cfg: TrainConfig, env: Dist
+) -> torch.Tensor:
+    """The draft vocabulary [Vd]: the target ids most frequent in the training split's loss positions. Rank 0
+    counts them and sends the result: every sample is read once, not once per process."""
+    vocab: list[torch.Tensor | None] = [None]
+    if env.main:
+        tcfg = model_config(target_dir)
+        vocab_size = int(tcfg.get("text_config", tcfg)["vocab_size"])
+        counts = count_tokens(((samples[it.index].input_ids, samples[it.index].loss_mask) for it in items), vocab_size)
+        vocab[0] = build_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always=eos_ids(target_dir))
+    if env.world > 1:
+        dist.broadcast_object_list(vocab, src=0)
+    return vocab[0]
 
 
-def make_objective(target_dir: Path, draft_ids: torch.Tensor, cfg: TrainConfig, env: Dist) -> TTTObjective:
+def make_objective(
+    target_dir: Path,
+    draft_ids: torch.Tensor,
+    cfg: TrainConfig,
+    env: Dist,
+    layers: list[int],
+    shape: DrafterConfig | None,
+) -> TTTObjective:
     gpu = env.device.type == "cuda"
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if gpu else "math")
     oov = cfg.oov_mask == "on" or (cfg.oov_mask == "auto" and gpu)
     torch.manual_seed(cfg.seed)  # the fresh drafter's weights are the same in every process and rerun
-    drafter, target_head = build_drafter(target_dir, draft_ids, cfg.init_from_target)
+    drafter, target_head = build_drafter(target_dir, draft_ids, cfg, layers, shape)
     objective = TTTObjective(drafter, target_head, cfg, attention, oov).to(env.device)
     objective.set_vocab(draft_ids.to(env.device))
     return objective
@@ -376,7 +443,9 @@ def distribute(objective: TTTObjective, env: Dist) -> nn.Module:
     if env.world == 1:
         return objective
     device_ids = [env.local_rank] if env.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(objective, device_ids=device_ids)
+    # the buffers (the target's LM head and embedding, the vocabulary maps) are the same everywhere and never change:
+    # re-sending them before every forward would move the whole LM head each step
+    return nn.parallel.DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False)
 
 
 def epoch_batches(items: list[data.Item], cfg: TrainConfig, env: Dist, epoch: int) -> list[list[data.Item]]:
@@ -416,9 +485,8 @@ def train_epoch(s: Session) -> None:
         if s.step >= s.total:
             return
         train_step(s, batch)
-        if s.step % s.cfg.checkpoint_every == 0 and s.step < s.total and s.env.main:
-            save(s)
-            s.rep.set(TrainProgress(**heldout(s)))
+        if s.step % s.cfg.checkpoint_every == 0 and s.step < s.total:
+            checkpoint(s)
     s.epoch, s.batch = s.epoch + 1, 0
 
 
@@ -429,14 +497,21 @@ def train_step(s: Session, batch: dict[str, torch.Tensor]) -> None:
     with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
         loss, losses, accs = s.model(b["input_ids"], b["loss_mask"], b["hidden_states"], b["aux_hidden_states"])
     s.opt.zero_grad(set_to_none=True)
-    loss.backward()
+    # DDP averages the processes' gradients, and the global loss is the sum of their shares
+    (loss * env.world).backward()
     gnorm = torch.nn.utils.clip_grad_norm_(s.objective.drafter.parameters(), s.cfg.grad_clip)
     s.opt.step()
+    lr = s.sched.get_last_lr()[0]  # the rate this step used
     s.sched.step()
     s.step, s.batch = s.step + 1, s.batch + 1
-    s.window_tokens += int(b["tokens"]) * env.world
-    s.last = {"loss": loss.item(), "acc": [round(a, 4) for a in accs.tolist()]}
-    s.rep.record({"step": s.step, **s.last, "step_losses": losses.tolist(), "grad_norm": float(gnorm)})
+    figures = torch.cat([loss.detach()[None], losses, accs, b["tokens"].float()[None]])
+    if env.world > 1:
+        dist.all_reduce(figures)  # shares summed: the global batch's figures
+    total_loss, *per_step, tokens = figures.tolist()
+    k = len(losses)
+    s.window_tokens += int(tokens)
+    s.last = {"loss": total_loss, "acc": [round(a, 4) for a in per_step[k:]]}
+    s.rep.record({"step": s.step, **s.last, "step_losses": per_step[:k], "grad_norm": float(gnorm), "lr": lr})
     if s.step % s.cfg.log_every == 0 or s.step == s.total:
         report(s)
     s.rep.step(s.step, f"loss {s.last['loss']:.3f} acc0 {s.last['acc'][0]:.2f}")
@@ -453,11 +528,21 @@ def report(s: Session) -> None:
         step=s.step, epoch=s.epoch, lr=lr, tokens_per_s=round(tokens_per_s, 1), eta_s=round(eta), **s.last
     )
     s.rep.set(figures)
+    s.rep.throughput(s.step, figures.tokens_per_s)
     log.info(
         "run %s: step %d/%d loss %.4f acc %s %.0f tok/s",
         s.run_id, s.step, s.total, s.last["loss"], s.last["acc"], tokens_per_s,
     )  # fmt: skip
     s.window_tokens, s.window_start = 0, now
+
+
+def checkpoint(s: Session) -> dict:
+    """Rank 0 saves a checkpoint, then every process evaluates its share of the held-out split. Returns the
+    checkpoint's path (rank 0) and the held-out figures."""
+    path = save(s) if s.env.main else None
+    figures = heldout(s)
+    s.rep.heldout(s.step, figures)
+    return {"last_checkpoint": str(path), **figures} if path is not None else figures
 
 
 def save(s: Session) -> Path:
@@ -476,36 +561,34 @@ def save(s: Session) -> Path:
 
 
 def finish(s: Session) -> dict:
-    """Rank 0's last checkpoint and held-out figures; returns the final figures."""
-    path = save(s)
-    final = {"step": s.step, "last_checkpoint": str(path), **s.last, **heldout(s)}
+    """The last checkpoint and held-out figures; returns the final figures (rank 0; the others: {})."""
+    final = {"step": s.step, **s.last, **checkpoint(s)}
     s.rep.set(TrainProgress(**final, finished_at=time.time()))
     figures = {k: final.get(k) for k in ("heldout_loss", "heldout_acc")}
     log.info("run %s: training done at step %d, held-out %s", s.run_id, s.step, figures)
-    return final
+    return final if s.env.main else {}
 
 
 @torch.no_grad()
 def heldout(s: Session) -> dict:
-    """Mean TTT loss and per-step accuracy on the held-out samples (rank 0 alone: the split is small)."""
+    """Mean TTT loss and per-step accuracy over the held-out batches, each process evaluating every world-th one
+    (the objective alone, outside DDP: no lock-step needed)."""
     if not s.held_items:
         return {}
     env, objective = s.env, s.objective
-    batches = data.make_batches(s.held_items, s.cfg.tokens_per_batch, 0, 0)
+    batches = data.make_batches(s.held_items, s.cfg.tokens_per_batch, 0, 0)[env.rank :: env.world]
     objective.eval()
-    losses, accs = [], []
+    sums = torch.zeros(s.cfg.ttt_steps + 2, device=env.device)  # loss, accuracy per step, batches
     for batch in data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len):
         b = {k: v.to(env.device) for k, v in batch.items()}
         with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
             loss, _, acc = objective(b["input_ids"], b["loss_mask"], b["hidden_states"], b["aux_hidden_states"])
-        losses.append(loss.item())
-        accs.append(acc.cpu().numpy())
+        sums += torch.cat([loss.float()[None], acc.float(), torch.ones(1, device=env.device)])
     objective.train()
-    steps = min(len(a) for a in accs)
-    return {
-        "heldout_loss": round(float(np.mean(losses)), 5),
-        "heldout_acc": [round(float(x), 4) for x in np.mean([a[:steps] for a in accs], 0)],
-    }
+    if env.world > 1:
+        dist.all_reduce(sums)
+    loss, *acc = (sums[:-1] / sums[-1]).tolist()
+    return {"heldout_loss": round(loss, 5), "heldout_acc": [round(a, 4) for a in acc]}
 
 
 def eos_ids(target_dir: Path) -> list[int]:

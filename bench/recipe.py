@@ -1,0 +1,103 @@
+"""Training recipe on CPU (SmolLM2): how many optimizer steps the schedule makes, and what held-out accuracy and
+acceptance length they buy, for a few settings of the per-process token budget, epochs and learning rate.
+
+Extracts the first ``--limit`` demo conversations once through the real pipeline (as ``bench/quality.py`` does),
+then trains one run a setting on that same extraction, each by ``python -m eaglet.services.trainer.main`` in its
+own process with its speculative-decoding evaluation on the held-out demo prompts.
+
+    python bench/recipe.py                       # 300 conversations, 4 settings: ~40 min on 2 busy cores
+    python bench/recipe.py --limit 150 --eval-prompts 4 --settings default=16384:1:1e-4,tpb2048=2048:1:1e-4
+"""
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from redis import Redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import load, save_result  # noqa: E402
+from bench.pipeline import pipeline_phase  # noqa: E402
+from bench.quality import derive_run, train_and_eval  # noqa: E402
+from eaglet.cli.stack import LocalStack  # noqa: E402
+from eaglet.shared.config import Settings  # noqa: E402
+from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
+from eaglet.shared.runstate import RunState  # noqa: E402
+
+# name=tokens_per_batch:epochs:lr; the first is the trainer's default schedule
+SETTINGS = "default=16384:1:1e-4,tpb2048=2048:1:1e-4,epochs3=16384:3:1e-4,tpb2048-epochs3=2048:3:1e-4"
+
+
+def parse_settings(text: str) -> list[tuple[str, int, int, float]]:
+    out = []
+    for item in text.split(","):
+        name, spec = item.split("=")
+        tokens, epochs, lr = spec.split(":")
+        out.append((name, int(tokens), int(epochs), float(lr)))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--limit", type=int, default=300, help="demo conversations extracted (training samples)")
+    p.add_argument("--settings", default=SETTINGS, help="name=tokens_per_batch:epochs:lr, comma-separated")
+    p.add_argument("--ttt-steps", type=int, default=3, help="fewer than the default 7: CPU time")
+    p.add_argument("--eval-prompts", type=int, default=10)
+    args = p.parse_args()
+    settings_list = parse_settings(args.settings)
+    load_before = load()
+    (ROOT / "var").mkdir(exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="bench-recipe-", dir=ROOT / "var"))
+    data_dir = folder / "data"
+    redis_server = RedisServer(folder / "redis")
+    redis_server.start()
+    redis_url = redis_server.url
+    port = free_port()
+    settings = Settings(redis_url=redis_url, data_dir=data_dir, dump_dir=folder / "dump",
+                        inference_url=f"http://127.0.0.1:{port}")  # fmt: skip
+    env = {"EAGLET_REDIS_URL": redis_url, "EAGLET_DATA_DIR": str(data_dir), "EAGLET_DUMP_DIR": str(folder / "dump"),
+           "EAGLET_INFERENCE_URL": settings.inference_url}  # fmt: skip
+    common = ["--ttt-steps", str(args.ttt_steps), "--draft-vocab-size", "4096", "--max-len", "512",
+              "--loader-workers", "0", "--checkpoint-every", "100000", "--eval-k", "3", "--eval-max-new-tokens", "64",
+              "--eval-num-prompts", str(args.eval_prompts)]  # fmt: skip
+    figures: dict = {"conversations": args.limit, "train_flags": " ".join(common), "runs": []}
+    cmd = " ".join(["python bench/recipe.py", *sys.argv[1:]])
+    try:
+        redis = Redis.from_url(redis_url, decode_responses=True)
+        with LocalStack(folder / "logs", env=env) as stack:
+            stack.start("inference", "eaglet.services.inference.main", "--port", str(port))
+            stack.wait_http("inference", f"{settings.inference_url}/health", timeout=300)
+            for i in range(2):
+                stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"recipe-worker-{i}")
+            seconds, tokens, nbytes = pipeline_phase(redis, settings, "src", args.limit)
+            figures["extraction"] = {"seconds": round(seconds, 1), "tokens": tokens, "bytes": nbytes}
+            print(json.dumps(figures["extraction"]), flush=True)
+        for name, tokens_per_batch, epochs, lr in settings_list:
+            derive_run(redis, data_dir, "src", name, "bf16", args.limit)  # a run of its own: no checkpoint to resume
+            flags = [*common, "--tokens-per-batch", str(tokens_per_batch), "--epochs", str(epochs), "--lr", str(lr)]
+            row = {"setting": name, "tokens_per_batch": tokens_per_batch, "epochs": epochs, "lr": lr, "load": load()}
+            row.update(train_and_eval(name, env, flags, folder / "logs"))
+            state = RunState(redis, name)
+            train, result = state.train(), state.eval()
+            row.update(
+                steps=train.step, train_samples=train.train_samples, train_tokens_per_s=train.tokens_per_s,
+                final_loss=train.loss, heldout_loss=train.heldout_loss, heldout_acc=train.heldout_acc,
+                accept_length=result.accept_length, accept_rate=result.accept_rate, eval_prompts=result.prompts,
+            )  # fmt: skip
+            figures["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            save_result("recipe", cmd, figures, load_before)  # after each setting: a cut-short run keeps its figures
+    finally:
+        redis_server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    print("wrote", save_result("recipe", cmd, figures, load_before))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
