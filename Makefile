@@ -48,3 +48,9 @@ clean:
 .PHONY: compose-smoke
 compose-smoke:
 	bash scripts/compose-smoke
+
+# The GPU inference image (Dockerfile.sglang) built against a local stand-in of SGLang's image: the plugin
+# installs, its entry point is found, the launcher's command line comes out (needs a Docker engine; not in CI).
+.PHONY: sglang-image-smoke
+sglang-image-smoke:
+	bash scripts/sglang-image-smoke

@@ -32,6 +32,24 @@ families read the ids handed to ``set_eagle3_layers_to_capture`` differently (mo
 when the first id is 1, GPT-OSS not when the last is L), so the plugin, not this launcher, hands them over
 in each family's form and refuses to start when the model would capture other layers.
 
+Dump space (``dump_space``, checked before the server starts; ``--dump-space-check off`` skips it). The
+dumps pass through the dump dir's filesystem (shared memory), which must hold the dumps in flight:
+  tokens in flight x bytes per token, bytes per token = (1 + 3) x hidden_size x dtype bytes
+(the final-norm states and three aux layers, in the model's 16-bit dtype unless ``--dtype float32``). A dump
+is written when a request's whole prompt has been prefilled, by one writer thread per scheduler, and its
+worker reads and deletes it as soon as it appears. So the filesystem holds, per scheduler (each data-parallel
+replica or DP-attention rank), the prompts that finished in about two prefill steps: the step whose dumps the
+workers are reading and the step whose dumps are being written. One step finishes at most
+  min(chunk + context, max-total-tokens, max-running-requests x context)
+prompt tokens: the step's new tokens (``--chunked-prefill-size``; unset: 16384, the largest chunk SGLang picks
+on its own) plus the earlier chunks of the one prompt it completes (at most ``--context-length``, default
+the model's ``max_position_embeddings``); every finishing prompt sits in the KV pool (``--max-total-tokens``)
+and is one of the running requests (``--max-running-requests``), when those are given. The server refuses to
+start when the filesystem is smaller, and says the size to give (compose: ``EAGLET_DUMP_SIZE``). The
+context length dominates: ``--context-length`` at the longest prompt of the data shrinks the need most.
+``EAGLET_SGLANG_ARGS`` and the command line may not give one launcher flag two values (compose passes
+``--tp-size``/``--dp-size`` from its own variables: a second value in the extra args would be overridden).
+
 Environment of the server process (``server_env``): ``EAGLET_DUMP_DIR`` (where ``<rid>.safetensors``
 appear), ``EAGLET_AUX_LAYER_IDS`` (the ids; unset: the default), ``SGLANG_PLUGINS=eaglet_dump`` (load only
 eaglet's plugin).
@@ -39,9 +57,11 @@ eaglet's plugin).
 
 import argparse
 import logging
+import math
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +74,12 @@ SUPPORTED = ("0.5.23", "0.5.17")  # the plugin's eaglet_sglang.versions.SUPPORTE
 CAPTURE_FLAG_SINCE = (0, 5, 23)
 PLUGIN_NAME = "eaglet_dump"
 EXTRA_ARGS_ENV = "EAGLET_SGLANG_ARGS"
+DUMP_SIZE_ENV = "EAGLET_DUMP_SIZE"  # compose sizes the dump volume's tmpfs from it
+
+STATES_PER_TOKEN = 1 + 3  # the final-norm states and three aux layers
+STEPS_ON_DISK = 2  # one prefill step's dumps being read while the next step's are written
+UNSET_CHUNK = 16384  # the largest prefill chunk SGLang picks by itself (it scales with GPU memory)
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 
 # Flags that break "one request's prompt, whole, in the forwards the plugin sees" (a size flag only above 1).
 REFUSED_FLAGS = {
@@ -233,30 +259,177 @@ def server_env(cfg: LaunchConfig, base: dict[str, str] | None = None) -> dict[st
     return env
 
 
+@dataclass(frozen=True, slots=True)
+class DumpSpace:
+    """The bytes the dump dir's filesystem must hold, and where the number comes from."""
+
+    hidden_size: int
+    dtype_bytes: int
+    step_tokens: int
+    """Prompt tokens one scheduler finishes in one prefill step (the smallest bound that applies)."""
+    bound: str
+    """Which bound ``step_tokens`` is, in words."""
+    schedulers: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return STATES_PER_TOKEN * self.hidden_size * self.dtype_bytes
+
+    @property
+    def tokens(self) -> int:
+        return STEPS_ON_DISK * self.step_tokens * self.schedulers
+
+    @property
+    def bytes(self) -> int:
+        return self.tokens * self.bytes_per_token
+
+    def explain(self) -> str:
+        return (
+            f"{STEPS_ON_DISK} steps x {self.step_tokens} tokens ({self.bound}) x {self.schedulers} scheduler(s) = "
+            f"{self.tokens} tokens x {self.bytes_per_token} B/token ({STATES_PER_TOKEN} x {self.hidden_size} hidden x "
+            f"{self.dtype_bytes} B) = {gib(self.bytes)}"
+        )
+
+
+def gib(n: int) -> str:
+    """Bytes in GiB, or in MiB below one GiB (where one decimal of GiB says little)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def last_int(extra: list[str], *names: str) -> int | None:
+    """The last integer value given to any of ``names`` in ``extra`` (launch_server keeps the last one too)."""
+    found = None
+    for name, value in flag_values(extra):
+        if name in names and value is not None and value.lstrip("-").isdigit():
+            found = int(value)
+    return found
+
+
+def dump_space(cfg: LaunchConfig) -> DumpSpace | str:
+    """What the dumps in flight need (see the module doc), or why it cannot be known here."""
+    config_file = Path(cfg.model_path) / "config.json"
+    if not config_file.is_file():
+        return f"no config.json in {cfg.model_path}"
+    text = text_config(Path(cfg.model_path))
+    hidden = text.get("hidden_size")
+    if not isinstance(hidden, int):
+        return f"no hidden_size in {config_file}"
+    extra = cfg.extra_args
+    context = last_int(extra, "--context-length") or text.get("max_position_embeddings")
+    if not isinstance(context, int):
+        return f"no max_position_embeddings in {config_file}: give --context-length"
+    chunk = cfg.chunked_prefill_size
+    if chunk is None or chunk <= 0:  # unset, or chunking off: a step's new tokens are the prefill budget
+        chunk = last_int(extra, "--max-prefill-tokens") or UNSET_CHUNK
+    bounds = [(chunk + context, f"{chunk}-token prefill step + {context}-token context")]
+    pool = last_int(extra, "--max-total-tokens")
+    if pool:
+        bounds.append((pool, "--max-total-tokens: the KV pool holds every finishing prompt"))
+    running = last_int(extra, "--max-running-requests")
+    if running:
+        bounds.append((running * context, f"{running} running requests x {context}-token context"))
+    step_tokens, bound = min(bounds)
+    dtype = next((v for n, v in reversed(flag_values(extra)) if n == "--dtype"), None) or "auto"
+    if dtype == "auto":
+        # SGLang runs a float32 checkpoint in 16 bits under auto; a 16-bit one as it is
+        dtype_bytes = 2
+    elif dtype in DTYPE_BYTES:
+        dtype_bytes = DTYPE_BYTES[dtype]
+    else:
+        return f"--dtype {dtype}: unknown size"
+    return DumpSpace(
+        hidden_size=hidden,
+        dtype_bytes=dtype_bytes,
+        step_tokens=step_tokens,
+        bound=bound,
+        schedulers=cfg.dp_size * cfg.attn_dp_size,
+    )
+
+
+class DumpSpaceTooSmall(ValueError):
+    pass
+
+
+def check_dump_space(cfg: LaunchConfig, statvfs: Callable[[str], os.statvfs_result] | None = None) -> None:
+    """Refuses a dump dir whose filesystem cannot hold the dumps in flight: a full tmpfs fails every write,
+    and every sample with it, long after the start."""
+    need = dump_space(cfg)
+    if isinstance(need, str):
+        log.warning("dump space not checked: %s", need)
+        return
+    st = (statvfs or os.statvfs)(cfg.dump_dir)
+    size = st.f_blocks * st.f_frsize
+    if size >= need.bytes:
+        log.info("dump space: %s available of %s needed (%s)", gib(size), gib(need.bytes), need.explain())
+        return
+    give = f"{math.ceil(need.bytes / 2**30)}g"
+    now = os.environ.get(DUMP_SIZE_ENV)
+    raise DumpSpaceTooSmall(
+        f"the dump dir {cfg.dump_dir} is on a {gib(size)} filesystem; the dumps in flight need {gib(need.bytes)}: "
+        f"{need.explain()}. Give it at least {give}: in compose set {DUMP_SIZE_ENV}={give} "
+        f"({'now ' + now if now else 'unset'}; an existing dump volume keeps its size: remove it after "
+        "`docker compose down`), with docker run a tmpfs of that size. Or lower the need: --context-length "
+        "(the longest prompt of the data), --chunked-prefill-size, --max-running-requests. "
+        "--dump-space-check off skips this check."
+    )
+
+
 def installed_sglang_version() -> str:
     from importlib.metadata import version
 
     return version("sglang")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Execs the SGLang server (the image's entry point). ``EAGLET_SGLANG_ARGS`` (shell-split) come
-    first, then the command line; unknown flags go to ``launch_server``."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0], allow_abbrev=False)
-    p.add_argument("--model-path", "--model", required=True)
-    p.add_argument("--dump-dir", default=os.environ.get("EAGLET_DUMP_DIR", "/dev/shm/eaglet-dumps"))
+def launcher_parser(*, given_only: bool = False) -> argparse.ArgumentParser:
+    """The launcher's own flags; ``given_only``: no defaults, nothing required (to see what one source gives)."""
+    none = argparse.SUPPRESS
+
+    def default(value: object) -> object:
+        return none if given_only else value
+
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n", 1)[0], allow_abbrev=False, argument_default=none if given_only else None
+    )
+    p.add_argument("--model-path", "--model", required=not given_only)
+    p.add_argument("--dump-dir", default=default(os.environ.get("EAGLET_DUMP_DIR", "/dev/shm/eaglet-dumps")))
+    p.add_argument("--dump-space-check", choices=("on", "off"), default=default("on"))
     p.add_argument("--served-model-name")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--dp-size", "--data-parallel-size", type=int, default=1)
-    p.add_argument("--attn-dp-size", "--attention-data-parallel-size", type=int, default=1)
+    p.add_argument("--host", default=default("0.0.0.0"))
+    p.add_argument("--port", type=int, default=default(30000))
+    p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=default(1))
+    p.add_argument("--dp-size", "--data-parallel-size", type=int, default=default(1))
+    p.add_argument("--attn-dp-size", "--attention-data-parallel-size", type=int, default=default(1))
     p.add_argument("--enable-dp-attention", action="store_true", help="0.5.17's spelling: --dp-size is the DP width")
     p.add_argument("--aux-layer-ids", type=int, nargs="+", help="three ids, 1 to L-1: the inputs of those layers")
     p.add_argument("--chunked-prefill-size", type=int)
     p.add_argument("--mem-fraction-static", type=float)
+    return p
+
+
+def flag_clashes(env_args: list[str], cli_args: list[str]) -> list[str]:
+    """Launcher flags that the extra args and the command line give different values: the command line's
+    would win, silently (compose's command always gives --tp-size and --dp-size)."""
+    env_given = vars(launcher_parser(given_only=True).parse_known_args(env_args)[0])
+    cli_given = vars(launcher_parser(given_only=True).parse_known_args(cli_args)[0])
+    return [
+        f"--{k.replace('_', '-')} {env_given[k]} in {EXTRA_ARGS_ENV}, {cli_given[k]} on the command line"
+        for k in sorted(env_given.keys() & cli_given.keys())
+        if env_given[k] != cli_given[k]
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Execs the SGLang server (the image's entry point). ``EAGLET_SGLANG_ARGS`` (shell-split) come
+    first, then the command line; unknown flags go to ``launch_server``."""
     env_args = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
-    args, extra = p.parse_known_args(env_args + (sys.argv[1:] if argv is None else argv))
+    cli_args = sys.argv[1:] if argv is None else argv
+    clashes = flag_clashes(env_args, cli_args)
+    if clashes:
+        sys.exit(
+            f"{'; '.join(clashes)}: give each launcher flag once (compose: EAGLET_INFERENCE_TP / "
+            f"EAGLET_INFERENCE_DP for the sizes, {EXTRA_ARGS_ENV} for the rest)"
+        )
+    args, extra = launcher_parser().parse_known_args(env_args + cli_args)
     attn_dp_size, dp_size = args.attn_dp_size, args.dp_size
     if args.enable_dp_attention:  # --dp-size N --enable-dp-attention: N attention DP groups, one replica
         attn_dp_size, dp_size = max(attn_dp_size, dp_size), 1
@@ -275,9 +448,14 @@ def main(argv: list[str] | None = None) -> None:
         mem_fraction_static=args.mem_fraction_static,
         extra_args=extra,
     )
-    os.makedirs(cfg.dump_dir, exist_ok=True)
-    cmd = server_argv(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.makedirs(cfg.dump_dir, exist_ok=True)
+    if args.dump_space_check == "on":
+        try:
+            check_dump_space(cfg)
+        except DumpSpaceTooSmall as e:
+            sys.exit(str(e))
+    cmd = server_argv(cfg)
     log.info("starting SGLang %s: %s", cfg.sglang_version, " ".join(cmd))
     os.execvpe(cmd[0], cmd, server_env(cfg))
 
