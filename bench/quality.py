@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from redis import Redis
@@ -38,6 +39,51 @@ from eaglet.shared.samples import SampleSet  # noqa: E402
 from eaglet.shared.store import open_sample, read_metadata, sample_path, samples_dir, write_sample  # noqa: E402
 
 EVAL = ROOT / "data" / "demo" / "eval.jsonl"
+
+
+@dataclass(frozen=True)
+class Bench:
+    """A bench's own Redis and folder (under var/), and the settings and environment its services share."""
+
+    folder: Path
+    redis_server: RedisServer
+    port: int
+    """The reference server's."""
+    settings: Settings
+    env: dict[str, str]
+
+    def close(self) -> None:
+        self.redis_server.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def start_bench(name: str) -> Bench:
+    (ROOT / "var").mkdir(exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"bench-{name}-", dir=ROOT / "var"))
+    data_dir = folder / "data"
+    redis_server = RedisServer(folder / "redis")
+    redis_server.start()
+    redis_url = redis_server.url
+    port = free_port()
+    settings = Settings(redis_url=redis_url, data_dir=data_dir, dump_dir=folder / "dump",
+                        inference_url=f"http://127.0.0.1:{port}")  # fmt: skip
+    env = {"EAGLET_REDIS_URL": redis_url, "EAGLET_DATA_DIR": str(data_dir), "EAGLET_DUMP_DIR": str(folder / "dump"),
+           "EAGLET_INFERENCE_URL": settings.inference_url}  # fmt: skip
+    return Bench(folder, redis_server, port, settings, env)
+
+
+def extract_source(redis: Redis, bench: Bench, name: str, limit: int) -> dict:
+    """The first ``limit`` demo conversations extracted once, as run ``src``, by the reference server and two
+    workers; returns (and prints) the extraction's figures."""
+    with LocalStack(bench.folder / "logs", env=bench.env) as stack:
+        stack.start("inference", "eaglet.services.inference.main", "--port", str(bench.port))
+        stack.wait_http("inference", f"{bench.settings.inference_url}/health", timeout=300)
+        for i in range(2):
+            stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"{name}-worker-{i}")
+        seconds, tokens, nbytes = pipeline_phase(redis, bench.settings, "src", limit)
+    figures = {"seconds": round(seconds, 1), "tokens": tokens, "bytes": nbytes}
+    print(json.dumps(figures), flush=True)
+    return figures
 
 
 def derive_run(redis: Redis, data_dir: Path, src: str, run: str, store_dtype: str, first: int) -> int:
@@ -84,32 +130,16 @@ def main() -> int:
     p.add_argument("--no-fp8", action="store_true", help="only the learning curve")
     args = p.parse_args()
     load_before = load()
-    (ROOT / "var").mkdir(exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="bench-quality-", dir=ROOT / "var"))
-    data_dir = folder / "data"
-    redis_server = RedisServer(folder / "redis")
-    redis_server.start()
-    redis_url = redis_server.url
-    port = free_port()
-    settings = Settings(redis_url=redis_url, data_dir=data_dir, dump_dir=folder / "dump",
-                        inference_url=f"http://127.0.0.1:{port}")  # fmt: skip
-    env = {"EAGLET_REDIS_URL": redis_url, "EAGLET_DATA_DIR": str(data_dir), "EAGLET_DUMP_DIR": str(folder / "dump"),
-           "EAGLET_INFERENCE_URL": settings.inference_url}  # fmt: skip
+    bench = start_bench("quality")
+    folder, data_dir, env = bench.folder, bench.settings.data_dir, bench.env
     flags = ["--ttt-steps", "3", "--draft-vocab-size", "4096", "--max-len", "512", "--loader-workers", "0",
              "--checkpoint-every", "100000", "--epochs", str(args.epochs), "--lr", str(args.lr),
              "--tokens-per-batch", str(args.tokens_per_batch), "--eval-k", "3", "--eval-max-new-tokens", "64",
              "--eval-num-prompts", str(args.eval_prompts)]  # fmt: skip
     figures: dict = {"conversations": args.limit, "train_flags": " ".join(flags), "runs": []}
     try:
-        redis = Redis.from_url(redis_url, decode_responses=True)
-        with LocalStack(folder / "logs", env=env) as stack:
-            stack.start("inference", "eaglet.services.inference.main", "--port", str(port))
-            stack.wait_http("inference", f"{settings.inference_url}/health", timeout=300)
-            for i in range(2):
-                stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"quality-worker-{i}")
-            seconds, tokens, nbytes = pipeline_phase(redis, settings, "src", args.limit)
-            figures["extraction"] = {"seconds": round(seconds, 1), "tokens": tokens, "bytes": nbytes}
-            print(json.dumps(figures["extraction"]), flush=True)
+        redis = Redis.from_url(bench.settings.redis_url, decode_responses=True)
+        figures["extraction"] = extract_source(redis, bench, "quality", args.limit)
         plan = [("bf16", int(n)) for n in args.curve.split(",")]
         if not args.no_fp8:
             plan.insert(plan.index(("bf16", max(n for _, n in plan))) + 1, ("fp8", max(n for _, n in plan)))
@@ -128,8 +158,7 @@ def main() -> int:
             figures["runs"].append(row)
             print(json.dumps(row), flush=True)
     finally:
-        redis_server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+        bench.close()
     by = {r["run"]: r for r in figures["runs"]}
     top = max(int(n) for n in args.curve.split(","))
     if f"fp8-{top}" in by:

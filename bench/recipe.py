@@ -11,9 +11,7 @@ own process with its speculative-decoding evaluation on the held-out demo prompt
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from redis import Redis
@@ -22,11 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import load, save_result  # noqa: E402
-from bench.pipeline import pipeline_phase  # noqa: E402
-from bench.quality import derive_run, train_and_eval  # noqa: E402
-from eaglet.cli.stack import LocalStack  # noqa: E402
-from eaglet.shared.config import Settings  # noqa: E402
-from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
+from bench.quality import derive_run, extract_source, start_bench, train_and_eval  # noqa: E402
 from eaglet.shared.runstate import RunState  # noqa: E402
 
 # name=tokens_per_batch:epochs:lr; the first is the trainer's default schedule
@@ -51,32 +45,16 @@ def main() -> int:
     args = p.parse_args()
     settings_list = parse_settings(args.settings)
     load_before = load()
-    (ROOT / "var").mkdir(exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="bench-recipe-", dir=ROOT / "var"))
-    data_dir = folder / "data"
-    redis_server = RedisServer(folder / "redis")
-    redis_server.start()
-    redis_url = redis_server.url
-    port = free_port()
-    settings = Settings(redis_url=redis_url, data_dir=data_dir, dump_dir=folder / "dump",
-                        inference_url=f"http://127.0.0.1:{port}")  # fmt: skip
-    env = {"EAGLET_REDIS_URL": redis_url, "EAGLET_DATA_DIR": str(data_dir), "EAGLET_DUMP_DIR": str(folder / "dump"),
-           "EAGLET_INFERENCE_URL": settings.inference_url}  # fmt: skip
+    bench = start_bench("recipe")
+    folder, data_dir, env = bench.folder, bench.settings.data_dir, bench.env
     common = ["--ttt-steps", str(args.ttt_steps), "--draft-vocab-size", "4096", "--max-len", "512",
               "--loader-workers", "0", "--checkpoint-every", "100000", "--eval-k", "3", "--eval-max-new-tokens", "64",
               "--eval-num-prompts", str(args.eval_prompts)]  # fmt: skip
     figures: dict = {"conversations": args.limit, "train_flags": " ".join(common), "runs": []}
     cmd = " ".join(["python bench/recipe.py", *sys.argv[1:]])
     try:
-        redis = Redis.from_url(redis_url, decode_responses=True)
-        with LocalStack(folder / "logs", env=env) as stack:
-            stack.start("inference", "eaglet.services.inference.main", "--port", str(port))
-            stack.wait_http("inference", f"{settings.inference_url}/health", timeout=300)
-            for i in range(2):
-                stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"recipe-worker-{i}")
-            seconds, tokens, nbytes = pipeline_phase(redis, settings, "src", args.limit)
-            figures["extraction"] = {"seconds": round(seconds, 1), "tokens": tokens, "bytes": nbytes}
-            print(json.dumps(figures["extraction"]), flush=True)
+        redis = Redis.from_url(bench.settings.redis_url, decode_responses=True)
+        figures["extraction"] = extract_source(redis, bench, "recipe", args.limit)
         for name, tokens_per_batch, epochs, lr in settings_list:
             derive_run(redis, data_dir, "src", name, "bf16", args.limit)  # a run of its own: no checkpoint to resume
             flags = [*common, "--tokens-per-batch", str(tokens_per_batch), "--epochs", str(epochs), "--lr", str(lr)]
@@ -93,8 +71,7 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             save_result("recipe", cmd, figures, load_before)  # after each setting: a cut-short run keeps its figures
     finally:
-        redis_server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+        bench.close()
     print("wrote", save_result("recipe", cmd, figures, load_before))
     return 0
 

@@ -5,25 +5,19 @@ grouped-query shape, or the rule's 128-wide heads for latent attention), plain R
 layers the dumps captured; the trainer's own loader reads it back and it runs."""
 
 import json
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from eaglet.services.extractor.extract import Extractor
-from eaglet.services.inference.batcher import Batcher
 from eaglet.services.inference.engine import ReferenceEngine
-from eaglet.services.inference.server import create_app
 from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.services.trainer.checkpoint import load_drafter, load_target_tensors
 from eaglet.services.trainer.train import Dist, TrainConfig, train
 from eaglet.shared.config import Settings
-from eaglet.shared.redisserver import free_port
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
@@ -133,25 +127,15 @@ class Server:
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def server(request, tmp_path_factory, smollm2_dir):
+def server(request, tmp_path_factory, smollm2_dir, serve_reference):
     """The reference server on the family's tiny model, over real HTTP, capturing its default layers."""
     name = request.param
     folder = tmp_path_factory.mktemp(f"family-{name}")
     model_dir = make_target(folder / "model", name, smollm2_dir)
     engine = ReferenceEngine(model_dir)
     dump_dir = folder / "dump"
-    port = free_port()
-    app = create_app(engine, Batcher(engine, dump_dir))
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield Server(name, f"http://127.0.0.1:{port}", dump_dir, engine)
-    uv.should_exit = True
-    thread.join(10)
+    with serve_reference(engine, dump_dir) as url:
+        yield Server(name, url, dump_dir, engine)
 
 
 def conversations(path: Path) -> Path:

@@ -2,22 +2,16 @@
 its sample named, and the drafter's config.json records the layers the server captured, not ingest's default."""
 
 import json
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from eaglet.services.extractor.extract import Extractor
-from eaglet.services.inference.batcher import Batcher
 from eaglet.services.inference.engine import ReferenceEngine
-from eaglet.services.inference.server import create_app
 from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.services.trainer.train import Dist, TrainConfig, train
 from eaglet.shared.config import Settings
 from eaglet.shared.layers import default_layer_ids
-from eaglet.shared.redisserver import free_port
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.status import StatusConfig, read_run
@@ -32,24 +26,14 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir):
+def server(tmp_path_factory, tiny_model_dir, serve_reference):
     """The reference server on the tiny Llama, over real HTTP, capturing ``LAYERS`` (in this process: its engine's
     layers are set here, the reference server having no setting of its own for them)."""
     engine = ReferenceEngine(tiny_model_dir)
     engine.aux_layer_ids = list(LAYERS)
     dump_dir = tmp_path_factory.mktemp("layers-server") / "dump"
-    port = free_port()
-    app = create_app(engine, Batcher(engine, dump_dir))
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield Server(f"http://127.0.0.1:{port}", dump_dir, engine)
-    uv.should_exit = True
-    thread.join(10)
+    with serve_reference(engine, dump_dir) as url:
+        yield Server(url, dump_dir, engine)
 
 
 @pytest.fixture
