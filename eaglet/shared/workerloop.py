@@ -2,9 +2,12 @@
 backoff while Redis is unreachable, and a stop on SIGTERM that takes the worker's heartbeat with it."""
 
 import logging
+import os
 import signal
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +50,19 @@ class Heartbeat:
                 log.warning("%s: heartbeat failed", name, exc_info=True)
                 redis_ok_since = time.monotonic()
             stop.wait(self.interval_s)
+
+
+def connect(redis_url: str) -> tuple[Redis, Redis]:
+    """The two clients of a worker on one server: RQ's (pickled bytes) and the run state's (text)."""
+    rq_redis = Redis.from_url(redis_url, health_check_interval=30, retry_on_timeout=True)
+    redis = Redis.from_url(redis_url, health_check_interval=30, retry_on_timeout=True, decode_responses=True)
+    return rq_redis, redis
+
+
+def identity(name: str | None) -> tuple[str, str]:
+    """(name, instance): the name given (default host:pid) and an id of this process alone, since the name may
+    be reused by the next process."""
+    return name or f"{socket.gethostname()}:{os.getpid()}", uuid.uuid4().hex[:12]
 
 
 def run_worker(

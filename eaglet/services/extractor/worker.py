@@ -11,7 +11,6 @@ import os
 import shutil
 import socket
 import threading
-import uuid
 from dataclasses import dataclass, field
 
 import httpx
@@ -30,7 +29,7 @@ from eaglet.shared.keys import queue_name
 from eaglet.shared.records import ACTIVE_STAGES
 from eaglet.shared.runstate import RunState
 from eaglet.shared.store import partial_path, sample_path
-from eaglet.shared.workerloop import Heartbeat, run_worker
+from eaglet.shared.workerloop import Heartbeat, connect, identity, run_worker
 
 log = logging.getLogger(__name__)
 STAGE_EMA = 0.1  # weight of the newest sample in the stage averages: about the last 20 samples count
@@ -131,11 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = Settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name = args.name or f"{socket.gethostname()}:{os.getpid()}"
-    instance = uuid.uuid4().hex[:12]  # this process; the name may be reused by the next one
-    # RQ stores pickled bytes; run state is text. Two clients on the same server.
-    rq_redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True)
-    redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True, decode_responses=True)
+    name, instance = identity(args.name)
+    rq_redis, redis = connect(settings.redis_url)
     status = Status()
     settings.dump_dir.mkdir(parents=True, exist_ok=True)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # the heartbeat reports its free space from the start

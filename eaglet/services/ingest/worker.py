@@ -12,7 +12,6 @@ import os
 import shutil
 import socket
 import threading
-import uuid
 from dataclasses import dataclass
 
 from redis import Redis
@@ -25,7 +24,7 @@ from eaglet.shared import heartbeats
 from eaglet.shared.config import Settings
 from eaglet.shared.heartbeats import WorkerRole, WorkerState
 from eaglet.shared.jobqueue import control_queue, rq_worker_name
-from eaglet.shared.workerloop import Heartbeat, run_worker
+from eaglet.shared.workerloop import Heartbeat, connect, identity, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = Settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name = args.name or f"{socket.gethostname()}:{os.getpid()}"
-    instance = uuid.uuid4().hex[:12]  # this process; the name may be reused by the next one
-    # RQ stores pickled bytes; run state is text. Two clients on the same server.
-    rq_redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True)
-    redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True, decode_responses=True)
+    name, instance = identity(args.name)
+    rq_redis, redis = connect(settings.redis_url)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # the heartbeat reports its free space from the start
     status = Status()
     log.info("%s: ingesting runs for %s into %s", name, settings.model, settings.data_dir)
