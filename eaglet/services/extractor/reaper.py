@@ -47,11 +47,12 @@ class Reaper:
 
     redis: Redis
     rq_redis: Redis
-    instance: str  # this process: its own jobs are alive whatever its heartbeat says
+    instance: str  # this process: its own jobs are alive whatever its heartbeat says, but for those of its
     lost_after_s: float
     max_lost: int
     sample_id_of: Callable[[str, int], str]  # (run, index) -> sample id, for the failure record
     partial_of: Callable[[str, int, str], None]  # (run, index, instance): removes that instance's temp file
+    current_rq_worker: str = ""  # ...earlier RQ workers, which a Redis outage ended mid-job
     _idle_since: dict[str, float] = field(default_factory=dict)  # run -> when it was first seen with nothing running
 
     def sweep(self, run_ids: list[str]) -> dict[str, int]:
@@ -114,7 +115,17 @@ class Reaper:
                 job.delete()
             return "stale"
         owner = owner_of(job.worker_name or "")
-        if owner is None or owner_alive(owner, beats, lost_after_s=self.lost_after_s, instance=self.instance):
+        # A Redis outage ends this process's RQ worker mid-job and the next burst runs under a new name: the job
+        # it held would look alive (same instance) until RQ's job timeout, and hold the run open that long.
+        ended_here = (
+            owner is not None
+            and owner[1] == self.instance
+            and job.worker_name != self.current_rq_worker
+            and now - started > self.lost_after_s
+        )
+        if owner is None or (
+            not ended_here and owner_alive(owner, beats, lost_after_s=self.lost_after_s, instance=self.instance)
+        ):
             return "alive"
         if not self.rq_redis.zrem(registry.key, entry):
             return "taken"  # another worker's sweep got it first

@@ -9,14 +9,20 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import socket
 import threading
+import time
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
 import torch
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, SimpleWorker
+from rq.exceptions import StopRequested
 
 from eaglet.services.extractor import jobs
 from eaglet.services.extractor.extract import Extractor
@@ -29,9 +35,10 @@ from eaglet.shared.keys import queue_name
 from eaglet.shared.records import ACTIVE_STAGES
 from eaglet.shared.runstate import RunState
 from eaglet.shared.store import partial_path, sample_path
-from eaglet.shared.workerloop import Heartbeat, connect, identity, run_worker
 
 log = logging.getLogger(__name__)
+IDLE_POLL_S = 1.0
+REDIS_BACKOFF_S = (1, 2, 5)
 STAGE_EMA = 0.1  # weight of the newest sample in the stage averages: about the last 20 samples count
 
 
@@ -82,37 +89,49 @@ def make_reaper(extractor: Extractor, rq_redis: Redis, settings: Settings) -> Re
     )
 
 
-def heartbeat(redis: Redis, settings: Settings, name: str, status: Status, instance: str, reaper: Reaper) -> Heartbeat:
-    """Beats with the inference server's health and the data volume's free space, and sweeps for jobs of dead
-    workers."""
+def heartbeat_loop(
+    redis: Redis,
+    settings: Settings,
+    name: str,
+    status: Status,
+    stop: threading.Event,
+    instance: str = "",
+    reaper: Reaper | None = None,
+) -> None:
+    """Beats, and sweeps for jobs of dead workers: here, not between jobs, since a busy worker's RQ loop
+    may not come back for a thousand jobs."""
     # A probe slower than a heartbeat is an unhealthy server, and must not make this worker's beats late.
     http = httpx.Client(base_url=settings.inference_url, timeout=min(5.0, settings.heartbeat_interval_s))
-
-    def beat() -> None:
-        usage = shutil.disk_usage(settings.data_dir)
-        heartbeats.beat(
-            redis,
-            name,
-            state=WorkerState(status.state),
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            inference_url=settings.inference_url,
-            run=status.run,
-            sample=status.sample,
-            detail=status.detail,
-            disk_free=usage.free,
-            disk_total=usage.total,
-            instance=instance,
-            stage_seconds=status.stage_seconds,
-        )
-        heartbeats.report_inference(redis, settings.inference_url, **_probe(http))
-
-    def sweep() -> None:
-        swept = reaper.sweep(active_runs(redis))
-        if any(swept.values()):
-            log.warning("%s: jobs of dead workers: %s", name, swept)
-
-    return Heartbeat(beat, sweep, interval_s=settings.heartbeat_interval_s, sweep_after_s=reaper.lost_after_s)
+    # Others' heartbeats are judged only once Redis has answered for a while: right after an outage
+    # every heartbeat is old, and the workers are not dead.
+    redis_ok_since = time.monotonic()
+    while not stop.is_set():
+        try:
+            usage = shutil.disk_usage(settings.data_dir)
+            heartbeats.beat(
+                redis,
+                name,
+                state=WorkerState(status.state),
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                inference_url=settings.inference_url,
+                run=status.run,
+                sample=status.sample,
+                detail=status.detail,
+                disk_free=usage.free,
+                disk_total=usage.total,
+                instance=instance,
+                stage_seconds=status.stage_seconds,
+            )
+            heartbeats.report_inference(redis, settings.inference_url, **_probe(http))
+            if reaper is not None and time.monotonic() - redis_ok_since > reaper.lost_after_s:
+                swept = reaper.sweep(active_runs(redis))
+                if any(swept.values()):
+                    log.warning("%s: jobs of dead workers: %s", name, swept)
+        except Exception:  # the heartbeat must outlive a Redis restart: log, wait, beat again
+            log.warning("%s: heartbeat failed", name, exc_info=True)
+            redis_ok_since = time.monotonic()
+        stop.wait(settings.heartbeat_interval_s)
 
 
 def _probe(http: httpx.Client) -> dict:
@@ -130,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = Settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name, instance = identity(args.name)
-    rq_redis, redis = connect(settings.redis_url)
+    name = args.name or f"{socket.gethostname()}:{os.getpid()}"
+    instance = uuid.uuid4().hex[:12]  # this process; the name may be reused by the next one
+    # RQ stores pickled bytes; run state is text. Two clients on the same server.
+    rq_redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True)
+    redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True, decode_responses=True)
     status = Status()
     settings.dump_dir.mkdir(parents=True, exist_ok=True)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # the heartbeat reports its free space from the start
@@ -153,24 +175,50 @@ def main(argv: list[str] | None = None) -> int:
     )
     jobs.configure(extractor)
     reaper = make_reaper(extractor, rq_redis, settings)
-    log.info("%s: extracting for %s, dumps in %s", name, settings.inference_url, settings.dump_dir)
-
-    def make_worker(n: int) -> SimpleWorker | None:
-        queues = active_queues(redis, rq_redis)
-        # No run is extracting: nothing to listen to yet.
-        return SimpleWorker(queues, connection=rq_redis, name=rq_worker_name(name, instance, n)) if queues else None
-
-    run_worker(
-        redis,
-        name,
-        threading.Event(),
-        make_worker,
-        heartbeat(redis, settings, name, status, instance, reaper),
-        burst=args.burst,
-        more_may_come=True,  # a run's ingest queues its samples as it reads them: only no active run ends a burst
-        max_jobs=1000,
-        on_state=lambda state, detail: status.set(state, "", "", detail),
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    beat = threading.Thread(
+        target=heartbeat_loop, args=(redis, settings, name, status, stop, instance, reaper), daemon=True
     )
+    beat.start()
+    log.info("%s: extracting for %s, dumps in %s", name, settings.inference_url, settings.dump_dir)
+    failures, n = 0, 0
+    try:
+        while not stop.is_set():
+            try:
+                queues = active_queues(redis, rq_redis)
+                if not queues:  # no run is extracting: nothing to listen to yet
+                    failures = 0
+                    if args.burst:
+                        break
+                    stop.wait(IDLE_POLL_S)
+                    continue
+                n += 1
+                worker = SimpleWorker(queues, connection=rq_redis, name=rq_worker_name(name, instance, n))
+                reaper.current_rq_worker = worker.name
+                worked = worker.work(burst=True, logging_level="WARNING", max_jobs=1000)
+                failures = 0
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                # The process boundary: Redis restarted or unreachable. Wait, then reconnect (the clients do).
+                delay = REDIS_BACKOFF_S[min(failures, len(REDIS_BACKOFF_S) - 1)]
+                failures += 1
+                log.warning("%s: Redis unreachable (%s); again in %ds", name, e, delay, exc_info=failures == 1)
+                status.set(WorkerState.backoff, "", "", f"redis unreachable: {e}")
+                stop.wait(delay)
+                continue
+            status.set(WorkerState.idle, "", "", "")
+            if worker._stop_requested:  # RQ's own SIGTERM/SIGINT handler asked for a warm stop
+                break
+            if not worked:
+                stop.wait(IDLE_POLL_S)
+    except StopRequested:  # SIGTERM while idle between bursts: RQ's handler is still installed
+        log.info("%s: stopping", name)
+    finally:
+        stop.set()
+        try:
+            heartbeats.forget(redis, name)
+        except (RedisConnectionError, RedisTimeoutError):
+            log.warning("%s: could not remove my heartbeat (Redis unreachable); it will age out", name)
     return 0
 
 
