@@ -7,7 +7,13 @@ is written under a temporary name and renamed.
 Tensors: ``hidden_states`` [T, H] (final layer, after the final norm: what the LM head reads) and
 ``aux_hidden_states`` [T, 3H] (the residual stream entering each EAGLE-3 layer, concatenated in layer
 order), both in the model dtype. Metadata: ``rid``, ``num_tokens``, ``aux_layer_ids`` (SGLang's
-convention: the index of the layer whose input was captured), ``model``, ``dtype``.
+convention: the index of the layer whose input was captured), ``model``, ``dtype`` (the model's).
+
+A request may ask for its states fp8-encoded (``custom_params: {"eaglet_dump": "fp8"}``, sent when the run
+stores fp8): the server then encodes them on its device with the store's encoder before the copy to the host
+(eaglet/shared/store.py ``encode_fp8``), the dump holds them as float8 e4m3 with ``hidden_states_scale`` and
+``aux_hidden_states_scale`` [T, 1] float32 beside them and metadata ``storage: fp8_e4m3``, and the worker stores
+them as they are: half the bytes through the dump folder, the copy and the disk.
 """
 
 import json
@@ -20,10 +26,14 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet.shared.ids import check_rid
+from eaglet.shared.store import FP8, FP8_STORAGE, STATE_TENSORS
 from eaglet.shared.tensorfile import FileSlice, TensorFileError, map_tensors, read_header, row_blocks
 
 SUFFIX = ".safetensors"
 FINITE_CHECK_BYTES = 8 << 20  # of float32: 4 MB of a bf16 dump a block
+DUMP_ENCODING_PARAM = "eaglet_dump"
+"""The request's ``sampling_params.custom_params`` key asking for an encoded dump; its one value is ``fp8``."""
+FP8_ENCODING = "fp8"
 
 
 class DumpInvalid(ValueError):
@@ -36,7 +46,13 @@ class Dump:
     aux_hidden_states: torch.Tensor  # [T, 3H]
     metadata: dict[str, str]
     slices: dict[str, FileSlice] = field(default_factory=dict)
-    """Where the two tensors lie in the dump file: a store that keeps them as they are copies these."""
+    """Where the tensors lie in the dump file: a store that keeps them as they are copies these."""
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``hidden_states_scale`` and ``aux_hidden_states_scale`` [T, 1] of an fp8 dump; empty otherwise."""
+
+    @property
+    def fp8(self) -> bool:
+        return self.metadata.get("storage") == FP8_STORAGE
 
     @property
     def aux_layer_ids(self) -> list[int]:
@@ -55,8 +71,13 @@ def write_dump(
     *,
     aux_layer_ids: list[int],
     model: str,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    model_dtype: torch.dtype | None = None,
 ) -> Path:
-    """Writes one request's dump atomically and returns its path. No fsync: the dump dir is shared memory."""
+    """Writes one request's dump atomically and returns its path. No fsync: the dump dir is shared memory.
+
+    ``scales`` (of ``hidden_states``, of ``aux_hidden_states``): the states are fp8-encoded (``encode_fp8``);
+    ``model_dtype`` then names the dtype they were encoded from."""
     final = dump_path(dump_dir, rid)
     tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     metadata = {
@@ -64,12 +85,15 @@ def write_dump(
         "num_tokens": str(hidden_states.shape[0]),
         "aux_layer_ids": json.dumps(list(aux_layer_ids)),
         "model": model,
-        "dtype": str(hidden_states.dtype).removeprefix("torch."),
+        "dtype": str(model_dtype or hidden_states.dtype).removeprefix("torch."),
     }
     tensors = {
         "hidden_states": hidden_states.contiguous(),
         "aux_hidden_states": aux_hidden_states.contiguous(),
     }
+    if scales is not None:
+        tensors["hidden_states_scale"], tensors["aux_hidden_states_scale"] = (t.contiguous() for t in scales)
+        metadata["storage"] = FP8_STORAGE
     try:
         save_file(tensors, str(tmp), metadata=metadata)
         os.chmod(tmp, 0o644)  # the reader may be another user (the extractor's container)
@@ -84,8 +108,10 @@ def read_dump(path: Path) -> Dump:
     try:
         header = read_header(path)
         tensors = map_tensors(header)
-        slices = {k: header.slices[k] for k in ("hidden_states", "aux_hidden_states")}
-        return Dump(tensors["hidden_states"], tensors["aux_hidden_states"], header.metadata, slices)
+        names = [*STATE_TENSORS, *(f"{k}_scale" for k in STATE_TENSORS if f"{k}_scale" in tensors)]
+        slices = {k: header.slices[k] for k in names}
+        scales = {k: tensors[k] for k in names[len(STATE_TENSORS) :]}
+        return Dump(tensors["hidden_states"], tensors["aux_hidden_states"], header.metadata, slices, scales)
     except (TensorFileError, KeyError, ValueError, OSError) as e:
         raise DumpInvalid(f"dump {path.name}: unreadable ({type(e).__name__}: {e})") from e
 
@@ -107,6 +133,11 @@ def validate_dump(dump: Dump, *, rid: str, num_tokens: int, hidden_size: int, nu
         raise DumpInvalid(f"{where}: dtypes {h.dtype} / {aux.dtype}, expected one floating dtype")
     if dump.metadata.get("num_tokens") != str(num_tokens):
         raise DumpInvalid(f"{where}: metadata num_tokens {dump.metadata.get('num_tokens')!r}, expected {num_tokens}")
+    if (h.dtype == FP8) != dump.fp8:
+        raise DumpInvalid(f"{where}: states are {h.dtype} but metadata storage is {dump.metadata.get('storage')!r}")
+    if dump.fp8:
+        _validate_fp8(dump, where, num_tokens)
+        return
     for name, t in (("hidden_states", h), ("aux_hidden_states", aux)):
         for rows in row_blocks(t, FINITE_CHECK_BYTES):
             block = t[rows]
@@ -118,3 +149,22 @@ def validate_dump(dump: Dump, *, rid: str, num_tokens: int, hidden_size: int, nu
             if not bool(finite.all()):
                 bad = rows.start + int((~finite).nonzero()[0, 0])
                 raise DumpInvalid(f"{where}: {name} has NaN/Inf (first at token {bad})")
+
+
+def _validate_fp8(dump: Dump, where: str, num_tokens: int) -> None:
+    """An fp8 dump: finite positive scales, and no NaN among the values (e4m3fn has no infinity)."""
+    for name in STATE_TENSORS:
+        scale = dump.scales.get(f"{name}_scale")
+        if scale is None or tuple(scale.shape) != (num_tokens, 1) or scale.dtype != torch.float32:
+            got = None if scale is None else (tuple(scale.shape), scale.dtype)
+            raise DumpInvalid(f"{where}: {name}_scale is {got}, expected ({num_tokens}, 1) float32")
+        bad = ~(torch.isfinite(scale) & (scale > 0))
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0])
+            raise DumpInvalid(f"{where}: {name}_scale is not finite and positive (first at token {first})")
+        values = getattr(dump, name)
+        for rows in row_blocks(values, FINITE_CHECK_BYTES):
+            nan = (values[rows].view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn's only non-finite codes
+            if bool(nan.any()):
+                bad_row = rows.start + int(nan.any(dim=-1).nonzero()[0, 0])
+                raise DumpInvalid(f"{where}: {name} has NaN (first at token {bad_row})")

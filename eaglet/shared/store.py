@@ -74,25 +74,36 @@ def partial_path(path: Path, writer: str) -> Path:
 def encode_states(
     tensors: dict[str, torch.Tensor], metadata: dict[str, str], store_dtype: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The sample's tensors and metadata as stored under ``store_dtype`` (model | bf16 | fp8)."""
+    """The sample's tensors and metadata as stored under ``store_dtype`` (model | bf16 | fp8).
+
+    States that arrive already fp8-encoded (a dump the server encoded, metadata ``storage: fp8_e4m3``, scales
+    beside them) are stored as they are when the run stores fp8; they never go back to full width."""
     if store_dtype not in STORE_DTYPES:
         raise ValueError(f"store dtype {store_dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
     out = {k: tensors[k] for k in SAMPLE_TENSORS}
-    if store_dtype == "bf16":
+    if metadata.get("storage") == FP8_STORAGE:
+        if store_dtype != "fp8":
+            raise ValueError(f"states already stored as {FP8_STORAGE} cannot be stored as {store_dtype!r}")
+        out.update({f"{k}_scale": tensors[f"{k}_scale"] for k in STATE_TENSORS})
+    elif store_dtype == "bf16":
         out.update({k: tensors[k].to(torch.bfloat16) for k in STATE_TENSORS})
         metadata = {**metadata, "storage": "bf16"}
     elif store_dtype == "fp8":
         for k in STATE_TENSORS:
-            out[k], out[f"{k}_scale"] = _encode_fp8(tensors[k])
+            out[k], out[f"{k}_scale"] = encode_fp8(tensors[k])
         metadata = {**metadata, "storage": FP8_STORAGE}
     return out, metadata
 
 
-def _encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> (float8 e4m3 [T, D], float32 scale [T, 1]), x ≈ value * scale, a cache-sized block of rows
-    at a time (no float32 copy of the whole sample)."""
-    values, scale = torch.empty(x.shape, dtype=FP8), torch.empty(x.shape[0], 1)
-    for rows in row_blocks(x, FP8_BLOCK_BYTES):
+def encode_fp8(x: torch.Tensor, block_bytes: int = FP8_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (float8 e4m3 [T, D], float32 scale [T, 1]) on x's device, x ≈ value * scale.
+
+    The one encoder: the workers run it on the CPU, the inference servers on the GPU before the copy to the
+    host. Every step is exact or correctly rounded float32 arithmetic, row by row, so both give the same bits.
+    A block of rows at a time: no float32 copy of the whole tensor (on the GPU, none beside the server's memory)."""
+    values = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty(x.shape[0], 1, device=x.device)
+    for rows in row_blocks(x, block_bytes):
         block = x[rows].to(torch.float32, copy=True)
         amax = block.abs().amax(-1, keepdim=True)
         scale[rows] = s = torch.where(amax > 0, amax / FP8_MAX, 1.0)

@@ -12,13 +12,14 @@ import uvicorn
 from eaglet.services.inference.batcher import Batcher
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.inference.server import create_app
+from eaglet.shared.dumpwriter import DumpWriter
 from eaglet.shared.redisserver import free_port
 
 
 @contextmanager
 def _serve(engine: ReferenceEngine, dump_dir: Path) -> Iterator[str]:
     port = free_port()
-    app = create_app(engine, Batcher(engine, dump_dir))
+    app = create_app(engine, Batcher(engine, DumpWriter(dump_dir)))
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()

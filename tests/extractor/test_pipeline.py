@@ -18,7 +18,15 @@ from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.status import StatusConfig, read_status
-from eaglet.shared.store import open_sample, sample_is_complete, sample_path, samples_dir
+from eaglet.shared.store import (
+    FP8_STORAGE,
+    encode_fp8,
+    open_sample,
+    read_metadata,
+    sample_is_complete,
+    sample_path,
+    samples_dir,
+)
 
 
 def write_dataset(path, n: int) -> None:
@@ -137,6 +145,25 @@ def test_hidden_states_stored_are_the_models(redis, settings, tmp_path):
     with torch.inference_mode():
         out = model.model(input_ids=torch.from_numpy(sample.input_ids).long()[None])
     torch.testing.assert_close(stored["hidden_states"], out.last_hidden_state[0], atol=1e-5, rtol=1e-4)
+
+
+def test_an_fp8_run_has_the_server_encode_and_stores_its_bits_as_they_came(redis, settings, tmp_path):
+    """The worker asks for fp8, the reference server encodes before the copy to the host, the store keeps the
+    bytes: the sample equals the workers' own encoder applied to a full-width extraction of the same prompt."""
+    write_dataset(tmp_path / "data.jsonl", 2)
+    ingest_new_run(redis, settings, "wide", tmp_path / "data.jsonl", RunOptions())
+    ingest_new_run(redis, settings, "narrow", tmp_path / "data.jsonl", RunOptions())
+    extractor_for(settings, redis).extract("wide", 1)
+    extractor_for(settings, redis, store_dtype="fp8").extract("narrow", 1)
+    sample = SampleSet(samples_dir(settings.data_dir, "wide"))[1]
+    wide = open_sample(sample_path(settings.data_dir, "wide", sample.sample_id))
+    narrow_path = sample_path(settings.data_dir, "narrow", sample.sample_id)
+    narrow = open_sample(narrow_path)
+    assert read_metadata(narrow_path)["storage"] == FP8_STORAGE
+    for name in ("hidden_states", "aux_hidden_states"):
+        values, scale = encode_fp8(wide[name])
+        assert torch.equal(narrow[name].view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(narrow[f"{name}_scale"], scale)
 
 
 def test_unreachable_server_backs_off_then_records_the_reason(redis, settings, tmp_path):

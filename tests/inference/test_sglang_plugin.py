@@ -50,7 +50,8 @@ def sglang_cases(tmp_path_factory) -> tuple[dict, Path]:
 
 
 def _dump_files(dump_dir: Path) -> set[str]:
-    return {p.name for p in dump_dir.iterdir()} if dump_dir.exists() else set()
+    """The dumps and temp files; not the writers' figures (``.writers/``)."""
+    return {p.name for p in dump_dir.iterdir() if p.name != ".writers"} if dump_dir.exists() else set()
 
 
 def _check_dump(dump_dir: Path, rid: str, prompt: list[int], dtype: str = "float32") -> None:
@@ -148,6 +149,35 @@ def test_capture_enabled_before_graphs(sglang_cases):
     assert case["default"] == default_layer_ids(LAYERS)
     assert case["chosen"] == [3, 5, 6]
     assert case["already_on"] == default_layer_ids(LAYERS)  # the plugin's ids win over the server's
+
+
+def test_fp8_asked_is_encoded_before_the_copy_with_the_stores_encoder(sglang_cases):
+    """The same prompt dumped full width and fp8 in one forward: the fp8 dump holds exactly what the workers'
+    encoder makes of the full-width one (the GPU runs the same code; bench/gpu checks the bits there)."""
+    import torch
+
+    from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump
+    from eaglet.shared.store import encode_fp8
+
+    results, dumps = sglang_cases
+    case = results["fp8"]
+    wide = read_dump(dump_path(dumps, case["wide_rid"]))
+    enc = read_dump(dump_path(dumps, case["fp8_rid"]))
+    validate_dump(enc, rid=case["fp8_rid"], num_tokens=len(case["prompt"]), hidden_size=H)
+    assert not wide.fp8 and enc.fp8 and enc.metadata["dtype"] == "bfloat16"
+    for name in ("hidden_states", "aux_hidden_states"):
+        values, scale = encode_fp8(getattr(wide, name))
+        assert torch.equal(getattr(enc, name).view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(enc.scales[f"{name}_scale"], scale)
+
+
+def test_writer_publishes_its_figures(sglang_cases):
+    from eaglet.shared.dumpwriter import read_writer_stats
+
+    _, dumps = sglang_cases
+    [stats] = read_writer_stats(dumps, max_age_s=600)
+    assert stats.written >= 8 and stats.failed == 0 and stats.queued_bytes == 0
+    assert 0 < stats.peak_bytes <= stats.cap_bytes
 
 
 def test_no_temp_files_left(sglang_cases):

@@ -240,6 +240,18 @@ def _cases(out: Path) -> dict:
     forward(new_worker(native_final=False, dtype=torch.bfloat16), [(s, 0, 6)])
     results["stash"] = {"rid": s.rid, "prompt": ps}
 
+    # fp8 asked by one of two requests with the same prompt, in one bf16 forward, over two chunks.
+    fp8_sp = SamplingParams(max_new_tokens=1, temperature=0, custom_params={"eaglet_dump": "fp8"})
+    fp8_sp.normalize(None)
+    fp8_sp.verify(vocab_size=1000)
+    p8 = prompt(9, 200)
+    wide = req("eaglet:run1:s-wide:0", p8)
+    enc = Req(rid="eaglet:run1:s-fp8:0", origin_input_text="", origin_input_ids=array("q", p8), sampling_params=fp8_sp)
+    w16 = new_worker(dtype=torch.bfloat16)
+    forward(w16, [(wide, 0, 5), (enc, 0, 5)])
+    forward(w16, [(enc, 5, 4), (wide, 5, 4)])
+    results["fp8"] = {"wide_rid": wide.rid, "fp8_rid": enc.rid, "prompt": p8}
+
     # Capture: default layers, chosen layers (SGLang convention), and after the server flag chose others.
     from eaglet_sglang.plugin import DumpPlugin, Settings, captured_layers
 

@@ -20,6 +20,7 @@ from eaglet.services.ingest.chat import tokenize_conversation
 from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.services.ingest.records import BadLine, Conversation, parse_line
 from eaglet.shared.config import Settings
+from eaglet.shared.dumpwriter import DumpWriter
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
@@ -150,7 +151,9 @@ def test_fuzzed_run_control_requests_get_an_answer_not_a_crash(gateway_client, b
 def inference_client(tiny_model_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("fuzz-inference")
     engine = ReferenceEngine(tiny_model_dir, device="cpu")
-    with TestClient(create_inference(engine, Batcher(engine, folder / "dump")), raise_server_exceptions=False) as c:
+    with TestClient(
+        create_inference(engine, Batcher(engine, DumpWriter(folder / "dump"))), raise_server_exceptions=False
+    ) as c:
         yield c, folder
 
 

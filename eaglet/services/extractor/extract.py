@@ -20,7 +20,15 @@ import torch
 from redis import Redis
 
 from eaglet.services.extractor.exceptions import SampleRejected, Transient
-from eaglet.shared.dumpfile import Dump, DumpInvalid, dump_path, read_dump, validate_dump
+from eaglet.shared.dumpfile import (
+    DUMP_ENCODING_PARAM,
+    FP8_ENCODING,
+    Dump,
+    DumpInvalid,
+    dump_path,
+    read_dump,
+    validate_dump,
+)
 from eaglet.shared.ids import make_rid
 from eaglet.shared.records import RunMeta
 from eaglet.shared.runstate import RunState, Stage
@@ -127,6 +135,9 @@ class Extractor:
             lap("dump_wait")
             meta = self._run_meta(state)
             validate_dump(dump, rid=rid, num_tokens=len(sample.input_ids), hidden_size=meta.hidden_size)
+            if dump.fp8 != self.server_encodes_fp8:
+                raise DumpInvalid(f"dump {rid}: storage {dump.metadata.get('storage')!r}, but this worker asked for "
+                                  f"{FP8_ENCODING if self.server_encodes_fp8 else 'full width'}")  # fmt: skip
             self._check_layers(state, sample, dump, rid)
             lap("check")
             tensors = {
@@ -134,6 +145,7 @@ class Extractor:
                 "loss_mask": torch.from_numpy(sample.loss_mask),
                 "hidden_states": dump.hidden_states,
                 "aux_hidden_states": dump.aux_hidden_states,
+                **dump.scales,
             }
             metadata = {**dump.metadata, "run_id": state.run_id, "sample_id": sample.sample_id}
             try:
@@ -174,12 +186,16 @@ class Extractor:
         for earlier in range(max(1, attempt - 64), attempt):
             dump_path(self.dump_dir, make_rid(run_id, sample_id, earlier)).unlink(missing_ok=True)
 
+    @property
+    def server_encodes_fp8(self) -> bool:
+        """A run stored as fp8 has the server encode its states on its device: half the bytes to move and write."""
+        return self.store_dtype == "fp8"
+
     def _prefill(self, rid: str, sample: Sample) -> None:
-        body = {
-            "input_ids": sample.input_ids.tolist(),
-            "rid": rid,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-        }
+        params: dict = {"max_new_tokens": 1, "temperature": 0}
+        if self.server_encodes_fp8:
+            params["custom_params"] = {DUMP_ENCODING_PARAM: FP8_ENCODING}
+        body = {"input_ids": sample.input_ids.tolist(), "rid": rid, "sampling_params": params}
         try:
             response = self.http.post("/generate", json=body)
         except httpx.TransportError as e:

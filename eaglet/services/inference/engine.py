@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglet.shared.layers import default_layer_ids
+from eaglet.shared.store import encode_fp8
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,12 @@ class Prefill:
     hidden_states: torch.Tensor  # [T, H], on the CPU
     aux_hidden_states: torch.Tensor  # [T, 3H], on the CPU
     next_token: int
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Of hidden_states and aux_hidden_states [T, 1], when they are fp8-encoded (eaglet/shared/dumpfile.py)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.hidden_states, self.aux_hidden_states, *(self.scales or ())))
 
 
 class ReferenceEngine:
@@ -43,8 +50,9 @@ class ReferenceEngine:
         log.info("engine: %s on %s (%s), aux layers %s", model_dir, self.device, self.dtype, self.aux_layer_ids)
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> list[Prefill]:
-        """One forward over a right-padded batch; each prompt gets its own rows back."""
+    def prefill(self, prompts: list[list[int]], fp8: list[bool] | None = None) -> list[Prefill]:
+        """One forward over a right-padded batch; each prompt gets its own rows back, fp8-encoded on the device
+        before the copy to the host where ``fp8`` asks for it."""
         lengths = [len(p) for p in prompts]
         ids = torch.full((len(prompts), max(lengths)), self.tokenizer.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -58,8 +66,14 @@ class ReferenceEngine:
         aux = torch.cat([out.hidden_states[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
         last = final[torch.arange(len(prompts)), torch.tensor(lengths) - 1]  # [B, H]
         next_tokens = self.model.lm_head(last).argmax(-1).tolist()
-        final, aux = final.cpu(), aux.cpu()
-        return [Prefill(final[i, :n], aux[i, :n], next_tokens[i]) for i, n in enumerate(lengths)]
+        out = []
+        for i, n in enumerate(lengths):
+            if fp8 and fp8[i]:
+                (h, h_scale), (a, a_scale) = encode_fp8(final[i, :n]), encode_fp8(aux[i, :n])
+                out.append(Prefill(h.cpu(), a.cpu(), next_tokens[i], (h_scale.cpu(), a_scale.cpu())))
+            else:
+                out.append(Prefill(final[i, :n].cpu(), aux[i, :n].cpu(), next_tokens[i]))
+        return out
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float):

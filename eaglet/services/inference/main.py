@@ -4,12 +4,14 @@ import argparse
 import logging
 
 import uvicorn
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from eaglet.services.inference.batcher import Batcher
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.inference.server import create_app
 from eaglet.shared.config import Settings
+from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES, DEFAULT_THREADS, DumpWriter
 from eaglet.shared.target import resolve_model_dir
 
 
@@ -26,6 +28,11 @@ class InferenceSettings(Settings):
     """Write dumps for eaglet's requests. Off only to measure the server alone."""
     max_batch_tokens: int = 16384
     max_batch_size: int = 64
+    dump_queue_bytes: int = Field(DEFAULT_CAP_BYTES, gt=0)
+    """Most bytes of dumps held in memory waiting for the dump folder; when full, the engine waits (back-pressure,
+    shown in /status). SGLang's plugin reads the same variable."""
+    dump_writer_threads: int = Field(DEFAULT_THREADS, gt=0)
+    """Dumps written at once. SGLang's plugin reads the same variable."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     batcher = Batcher(
         engine,
-        settings.dump_dir,
+        DumpWriter(settings.dump_dir, cap_bytes=settings.dump_queue_bytes, threads=settings.dump_writer_threads),
         dump=settings.dump,
         max_batch_tokens=settings.max_batch_tokens,
         max_batch_size=settings.max_batch_size,

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from eaglet.services.inference.batcher import Batcher
 from eaglet.services.inference.engine import ReferenceEngine
+from eaglet.shared.dumpfile import DUMP_ENCODING_PARAM, FP8_ENCODING
 from eaglet.shared.ids import UnsafeName, check_rid
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,8 @@ class SamplingParams(BaseModel):
     max_new_tokens: int = Field(128, ge=0, le=32768)
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    custom_params: dict | None = None
+    """As SGLang's: read only for ``eaglet_dump`` (fp8-encoded dumps, eaglet/shared/dumpfile.py)."""
 
 
 class GenerateRequest(BaseModel):
@@ -69,7 +72,8 @@ def create_app(engine: ReferenceEngine, batcher: Batcher) -> FastAPI:
         params = req.sampling_params
         started = time.perf_counter()
         if params.max_new_tokens <= 1:
-            prefill = await batcher.prefill(ids, req.rid)
+            fp8 = (params.custom_params or {}).get(DUMP_ENCODING_PARAM) == FP8_ENCODING
+            prefill = await batcher.prefill(ids, req.rid, fp8)
             output_ids = [prefill.next_token] if params.max_new_tokens == 1 else []
         else:
             output_ids = await batcher.generate(ids, req.rid, params.max_new_tokens, params.temperature, params.top_p)

@@ -17,16 +17,20 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from eaglet.shared.dumpfile import DUMP_ENCODING_PARAM, FP8_ENCODING
+from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES, DEFAULT_THREADS, DumpWriter
 from eaglet.shared.ids import is_eaglet_rid
 from eaglet.shared.layers import default_layer_ids, layer_ids_problem, sglang_arg_ids
+from eaglet.shared.store import encode_fp8
 from eaglet_sglang import versions
 from eaglet_sglang.collector import Collector, Rows, plan_rows
-from eaglet_sglang.writer import DumpJob, DumpWriter, HostChunk, copy_rows, record_event
+from eaglet_sglang.writer import DumpJob, HostChunk, copy_rows, record_event
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +46,20 @@ class Settings:
     aux_layer_ids: list[int] | None = None
     """``EAGLET_AUX_LAYER_IDS`` (e.g. ``2,15,27``), SGLang's convention (the layer whose input is captured).
     Unset: ``default_layer_ids(L)``. Checked against the model's layer count at server start."""
+    queue_bytes: int = DEFAULT_CAP_BYTES
+    """``EAGLET_DUMP_QUEUE_BYTES``: most bytes of dumps held on the host waiting for the disk, per scheduler
+    process; when full, the forward waits (back-pressure, shown in /status) rather than growing."""
+    writer_threads: int = DEFAULT_THREADS
+    """``EAGLET_DUMP_WRITER_THREADS``: dumps written at once, per scheduler process."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError(f"EAGLET_DUMP_TIMEOUT_S={self.timeout_s}: give a positive number of seconds")
+        if self.queue_bytes <= 0 or self.writer_threads <= 0:
+            raise ValueError(
+                f"EAGLET_DUMP_QUEUE_BYTES={self.queue_bytes}, EAGLET_DUMP_WRITER_THREADS={self.writer_threads}: "
+                "both must be positive"
+            )
         if self.aux_layer_ids is not None:
             problem = layer_ids_problem(self.aux_layer_ids, None)
             if problem:
@@ -62,6 +76,8 @@ class Settings:
             dump_dir=Path(dump_dir),
             timeout_s=float(env.get("EAGLET_DUMP_TIMEOUT_S", "600")),
             aux_layer_ids=[int(x) for x in ids.split(",")] if ids else None,
+            queue_bytes=int(env.get("EAGLET_DUMP_QUEUE_BYTES", DEFAULT_CAP_BYTES)),
+            writer_threads=int(env.get("EAGLET_DUMP_WRITER_THREADS", DEFAULT_THREADS)),
         )
 
 
@@ -70,6 +86,8 @@ class _Snapshot:
     """The batch's lists as they were when the forward started (the overlap scheduler mutates them)."""
 
     rows: list[Rows]
+    fp8: frozenset[str]
+    """The rids whose request asked for fp8-encoded states (``custom_params``)."""
 
 
 class DumpPlugin:
@@ -170,7 +188,8 @@ class DumpPlugin:
             list(batch.extend_lens),
             [id(r) in decoding for r in reqs],
         )
-        return _Snapshot(rows) if rows else None
+        fp8 = frozenset(r.rid for r in reqs if _asks_fp8(r))
+        return _Snapshot(rows, fp8) if rows else None
 
     def _capture(self, worker: Any, snapshot: _Snapshot, result: Any, stashed: torch.Tensor | None) -> None:
         _, layer_ids, model = self._worker(worker)
@@ -183,12 +202,22 @@ class DumpPlugin:
         if problem:
             self._warn_once(problem)
             return
-        copies = [(r, copy_rows(aux, r.start, r.length), copy_rows(final, r.start, r.length)) for r in snapshot.rows]
+        encoded = None
+        if any(r.rid in snapshot.fp8 for r in snapshot.rows):
+            # On the device, before the copy: half the bytes through PCIe, pinned memory, the dump and the disk.
+            (aux_fp8, aux_scale), (final_fp8, final_scale) = encode_fp8(aux[:needed]), encode_fp8(final[:needed])
+            encoded = (aux_fp8, final_fp8, aux_scale, final_scale)
+        copies = []
+        for r in snapshot.rows:
+            sources = encoded if encoded is not None and r.rid in snapshot.fp8 else (aux, final)
+            copies.append((r, [copy_rows(t, r.start, r.length) for t in sources]))
         event = record_event(aux.device)
-        for rows, aux_rows, final_rows in copies:
-            done = self.collector.add(rows, HostChunk(aux_rows, final_rows, event))
+        for rows, host in copies:
+            done = self.collector.add(rows, HostChunk(host[0], host[1], event, *host[2:]))
             if done is not None:
-                self.writer.submit(DumpJob(done.rid, done.chunks, layer_ids, model))
+                job = DumpJob(done.rid, done.chunks, layer_ids, model, aux.dtype)
+                # Blocks while the writer holds its cap of bytes: the forwards slow to the disk's pace.
+                self.writer.submit(job.nbytes, partial(job.write, self.settings.dump_dir), f"rid {job.rid}")
         now = time.monotonic()
         if now >= self._next_expiry:
             self._next_expiry = now + 1.0
@@ -197,7 +226,9 @@ class DumpPlugin:
     @property
     def writer(self) -> DumpWriter:
         if self._writer is None:
-            self._writer = DumpWriter(self.settings.dump_dir)
+            self._writer = DumpWriter(
+                self.settings.dump_dir, cap_bytes=self.settings.queue_bytes, threads=self.settings.writer_threads
+            )
         return self._writer
 
     def flush(self) -> None:
@@ -218,6 +249,11 @@ class DumpPlugin:
         if problem not in self._warned:
             self._warned.add(problem)
             log.error("no dumps: %s", problem)
+
+
+def _asks_fp8(req: Any) -> bool:
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(params, dict) and params.get(DUMP_ENCODING_PARAM) == FP8_ENCODING
 
 
 def _check_outputs(aux: Any, final: Any, num_aux: int, rows: int) -> str | None:

@@ -1,14 +1,13 @@
-"""Device-to-host copies that do not stall the forward, and the thread that writes the dumps.
+"""Device-to-host copies that do not stall the forward, and the dump each prompt's copies make.
 
 The hook runs on the scheduler thread right after the forward. Its outputs may be views of CUDA-graph
 buffers that the next replay overwrites, so the rows are copied at once, but asynchronously: into
-pinned host memory, queued on the current (forward) stream, with one event recorded after them. The
-writer thread waits for that event, joins a prompt's chunks and writes the file.
+pinned host memory, queued on the current (forward) stream, with one event recorded after them. A
+writer thread (eaglet/shared/dumpwriter.py, bounded in bytes) waits for that event, joins a prompt's
+chunks and writes the file.
 """
 
 import logging
-import queue
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,13 @@ class HostChunk:
     aux_hidden_states: torch.Tensor  # [n, 3H]
     hidden_states: torch.Tensor  # [n, H]
     event: "torch.cuda.Event | None"
+    aux_scale: torch.Tensor | None = None  # [n, 1] float32 when the states are fp8-encoded
+    hidden_scale: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """In dump order: final, aux, then their scales when encoded."""
+        scales = [] if self.hidden_scale is None else [self.hidden_scale, self.aux_scale]
+        return [self.hidden_states, self.aux_hidden_states, *scales]
 
 
 def copy_rows(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
@@ -53,45 +59,32 @@ class DumpJob:
     chunks: list[HostChunk]
     aux_layer_ids: list[int]
     model: str
+    model_dtype: torch.dtype
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for c in self.chunks for t in c.tensors())
 
-class DumpWriter:
-    """One daemon thread writing ``<dump_dir>/<rid>.safetensors`` atomically (``write_dump``)."""
-
-    def __init__(self, dump_dir: Path):
-        self.dump_dir = Path(dump_dir)
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
-        self._jobs: queue.Queue[DumpJob] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="eaglet-dump-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: DumpJob) -> None:
-        self._jobs.put(job)
-
-    def flush(self) -> None:
-        """Waits until every submitted dump is written (tests, shutdown)."""
-        self._jobs.join()
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                self._write(job)
-            except Exception:
-                # Thread boundary: one bad dump must not stop the writer; the worker sees no file,
-                # records the failure and retries under a new rid.
-                log.error("rid %s: dump not written", job.rid, exc_info=True)
-            finally:
-                self._jobs.task_done()
-
-    def _write(self, job: DumpJob) -> None:
-        for chunk in job.chunks:
+    def write(self, dump_dir: Path) -> Path:
+        """Waits for the copies, joins the prompt's chunks and writes the dump (on a writer thread)."""
+        for chunk in self.chunks:
             if chunk.event is not None:
                 chunk.event.synchronize()
-        if len(job.chunks) == 1:
-            hidden, aux = job.chunks[0].hidden_states, job.chunks[0].aux_hidden_states
-        else:
-            hidden = torch.cat([c.hidden_states for c in job.chunks])
-            aux = torch.cat([c.aux_hidden_states for c in job.chunks])
-        path = write_dump(self.dump_dir, job.rid, hidden, aux, aux_layer_ids=job.aux_layer_ids, model=job.model)
-        log.debug("rid %s: dump %s written (%d tokens)", job.rid, path.name, hidden.shape[0])
+        parts = [_join([c.tensors()[i] for c in self.chunks]) for i in range(len(self.chunks[0].tensors()))]
+        hidden, aux, *scales = parts
+        path = write_dump(
+            dump_dir,
+            self.rid,
+            hidden,
+            aux,
+            aux_layer_ids=self.aux_layer_ids,
+            model=self.model,
+            scales=(scales[0], scales[1]) if scales else None,
+            model_dtype=self.model_dtype,
+        )
+        log.debug("rid %s: dump %s written (%d tokens)", self.rid, path.name, hidden.shape[0])
+        return path
+
+
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
