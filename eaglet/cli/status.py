@@ -94,7 +94,10 @@ def render_cluster(cluster: Cluster) -> Table:
         stages = f"{st['prefill']:.2f} / {st['check']:.2f} / {st['store']:.2f}" if "store" in st else ""
         table.add_row(w.name, state, w.run, w.sample, f"{w.seconds_since_heartbeat:.1f} s ago", stages)
     for s in cluster.inference:
-        table.add_row(s.url, "healthy" if s.healthy else Text("down", style="red"), "", "", s.detail, "")
+        detail = s.detail
+        if s.dump_backpressure is not None:  # the share of the recent time its forwards waited for the dump folder
+            detail += f" · dumps wait {s.dump_backpressure:.0%}"
+        table.add_row(s.url, "healthy" if s.healthy else Text("down", style="red"), "", "", detail, "")
     return table
 
 

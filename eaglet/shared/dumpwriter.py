@@ -31,14 +31,15 @@ log = logging.getLogger(__name__)
 
 STATS_DIR = ".writers"
 PUBLISH_EVERY_S = 1.0
+WAIT_WINDOW_S = 10.0
 DEFAULT_CAP_BYTES = 2 << 30
 DEFAULT_THREADS = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WriterStats:
-    """One writer's figures at ``ts``; ``wait_fraction`` is the share of the time since its previous publication
-    that ``submit`` spent waiting for room (0: the disk keeps up; near 1: the forwards run at the disk's pace)."""
+    """One writer's figures at ``ts``; ``wait_fraction`` is the share of the last ``WAIT_WINDOW_S`` that ``submit``
+    spent waiting for room (0: the disk keeps up; near 1: the forwards run at the disk's pace)."""
 
     ts: float
     cap_bytes: int
@@ -65,7 +66,8 @@ class DumpWriter:
         self._jobs: deque[tuple[int, Callable[[], object], Future, str]] = deque()
         self._queued = self._peak = self._written = self._failed = 0
         self._waited = 0.0
-        self._published = (time.monotonic(), 0.0)  # (when, waited then): the window of wait_fraction
+        self._waits: deque[tuple[float, float]] = deque()  # (start, end) of the waits within the window
+        self._started = self._published = time.monotonic()
         self._stats_path = self.dump_dir / STATS_DIR / f"{socket.gethostname()}-{os.getpid()}.json"
         for i in range(threads):
             threading.Thread(target=self._run, name=f"eaglet-dump-writer-{i}", daemon=True).start()
@@ -78,7 +80,9 @@ class DumpWriter:
                 started = time.monotonic()
                 while self._queued and self._queued + nbytes > self.cap_bytes:
                     self._room.wait()
-                self._waited += time.monotonic() - started
+                ended = time.monotonic()
+                self._waited += ended - started
+                self._waits.append((started, ended))
             self._queued += nbytes
             self._peak = max(self._peak, self._queued)
             self._jobs.append((nbytes, write, future, label))
@@ -96,8 +100,11 @@ class DumpWriter:
     def stats(self) -> WriterStats:
         with self._room:
             now = time.monotonic()
-            since, waited_then = self._published
-            fraction = (self._waited - waited_then) / (now - since) if now > since else 0.0
+            since = now - WAIT_WINDOW_S
+            while self._waits and self._waits[0][1] < since:
+                self._waits.popleft()
+            waited = sum(end - max(start, since) for start, end in self._waits)
+            fraction = waited / min(WAIT_WINDOW_S, now - self._started) if now > self._started else 0.0
             return WriterStats(
                 ts=time.time(),
                 cap_bytes=self.cap_bytes,
@@ -113,8 +120,7 @@ class DumpWriter:
     def publish(self) -> None:
         """Writes the figures for the workers (temp + rename: a reader never sees half a file)."""
         stats = self.stats()
-        with self._room:
-            self._published = (time.monotonic(), stats.waited_s)
+        self._published = time.monotonic()
         try:
             self._stats_path.parent.mkdir(exist_ok=True)
             tmp = self._stats_path.with_suffix(".tmp")
@@ -124,7 +130,7 @@ class DumpWriter:
             log.warning("dump writer figures not written to %s: %s", self._stats_path, e)
 
     def _maybe_publish(self) -> None:
-        if time.monotonic() - self._published[0] >= PUBLISH_EVERY_S:
+        if time.monotonic() - self._published >= PUBLISH_EVERY_S:
             self.publish()
 
     def _run(self) -> None:

@@ -7,10 +7,12 @@ is ever scanned per sample. The values are the records of eaglet/shared/records.
 """
 
 import time
+from dataclasses import replace
 
 from redis import Redis
 
 from eaglet.shared import keys
+from eaglet.shared.dumpwriter import WriterStats
 from eaglet.shared.records import InferenceBeat, WorkerBeat, WorkerRole, WorkerState
 
 
@@ -56,8 +58,18 @@ def forget(redis: Redis, worker: str) -> None:
     redis.hdel(keys.WORKERS, worker)
 
 
-def report_inference(redis: Redis, url: str, *, ok: bool, detail: str = "", model: str = "") -> None:
+def report_inference(
+    redis: Redis, url: str, *, ok: bool, detail: str = "", model: str = "", writers: list[WriterStats] | None = None
+) -> None:
+    """Records a server's health; ``writers``: the figures its dump writer processes published (back-pressure)."""
     record = InferenceBeat(url=url, ok=ok, ts=time.time(), detail=detail, model=model)
+    if writers:
+        record = replace(
+            record,
+            dump_wait_fraction=max(w.wait_fraction for w in writers),
+            dump_queued_bytes=sum(w.queued_bytes for w in writers),
+            dump_cap_bytes=sum(w.cap_bytes for w in writers),
+        )
     redis.hset(keys.INFERENCE, url, record.to_redis())
 
 

@@ -89,6 +89,14 @@ def _decode(kind: Any, raw: str) -> Any:
     return origin(raw)
 
 
+def _number(value: Any, kind: type) -> Any:
+    """A JSON record's optional number as ``kind``; None when absent or not a number (a bad value reads as unset)."""
+    try:
+        return None if value is None else kind(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def _value_type(hint: Any) -> Any:
     """``int | None`` -> ``int``: every record field is optional, so that partial records are updates."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
@@ -289,6 +297,11 @@ class InferenceBeat:
     ts: float
     detail: str = ""
     model: str = ""
+    dump_wait_fraction: float | None = None
+    """Share of the recent time the server's forwards waited for its dump writer (the worst writer process):
+    back-pressure from the dump folder (eaglet/shared/dumpwriter.py). None: no writer figures seen."""
+    dump_queued_bytes: int | None = None
+    dump_cap_bytes: int | None = None
 
     def to_redis(self) -> str:
         return json.dumps(asdict(self))
@@ -302,4 +315,7 @@ class InferenceBeat:
             ts=float(raw.get("ts") or 0),
             detail=str(raw.get("detail") or ""),
             model=str(raw.get("model") or ""),
+            dump_wait_fraction=_number(raw.get("dump_wait_fraction"), float),
+            dump_queued_bytes=_number(raw.get("dump_queued_bytes"), int),
+            dump_cap_bytes=_number(raw.get("dump_cap_bytes"), int),
         )

@@ -167,6 +167,11 @@ class InferenceStatus(BaseModel):
     detail: str
     model: str
     seconds_since_report: float
+    dump_backpressure: float | None = Field(
+        None, description="share of the recent time the server's forwards waited for its dump writer (0-1)"
+    )
+    dump_queued_bytes: int | None = None
+    dump_cap_bytes: int | None = None
 
 
 class Cluster(BaseModel):
@@ -289,6 +294,9 @@ def _cluster(
                 detail=health.detail,
                 model=health.model,
                 seconds_since_report=age,
+                dump_backpressure=health.dump_wait_fraction,
+                dump_queued_bytes=health.dump_queued_bytes,
+                dump_cap_bytes=health.dump_cap_bytes,
             )
         )
     # The data volume as the freshest live worker sees it; the gateway's own view if no worker reports one.

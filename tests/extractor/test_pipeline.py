@@ -13,6 +13,7 @@ from eaglet.services.extractor.extract import Extractor
 from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.shared import heartbeats, keys
 from eaglet.shared.config import Settings
+from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES
 from eaglet.shared.jobqueue import run_queue
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
@@ -81,6 +82,8 @@ def test_two_workers_extract_every_sample_exactly_once(redis, settings, tmp_path
                       for i in range(2)):  # fmt: skip
             assert time.monotonic() < deadline, "no stage times in the heartbeats"
             time.sleep(0.2)
+    [server] = report.cluster.inference
+    assert server.dump_cap_bytes == DEFAULT_CAP_BYTES and 0 <= server.dump_backpressure <= 1, server
     for worker in report.cluster.workers:
         assert set(worker.stage_seconds) == {"prefill", "dump_wait", "check", "store"}, worker.stage_seconds
         assert worker.stage_seconds["prefill"] > 0 and min(worker.stage_seconds.values()) >= 0

@@ -10,8 +10,10 @@ import time
 import pytest
 import torch
 
+from eaglet.shared import heartbeats
 from eaglet.shared.dumpfile import dump_path, read_dump, write_dump
 from eaglet.shared.dumpwriter import DumpWriter, read_writer_stats
+from eaglet.shared.status import StatusConfig, read_status
 
 MB = 1 << 20
 
@@ -80,3 +82,18 @@ def test_figures_are_published_for_the_workers_and_stale_ones_dropped(tmp_path):
     time.sleep(0.2)
     assert read_writer_stats(tmp_path, max_age_s=0.1) == []
     assert read_writer_stats(tmp_path / "absent", max_age_s=30) == []
+
+
+def test_back_pressure_reaches_status(tmp_path, redis):
+    """A writer held up by its disk: the forwards' wait, published and reported by a worker, shows in /status."""
+    writer = DumpWriter(tmp_path, cap_bytes=MB, threads=1)
+    gate = threading.Event()
+    writer.submit(MB, dump_write(tmp_path, "eaglet:r:a:0", gate), "a")
+    threading.Timer(0.5, gate.set).start()
+    writer.submit(MB, dump_write(tmp_path, "eaglet:r:b:0"), "b")  # waits ~0.5 s for room
+    writer.publish()
+    writer.flush()
+    heartbeats.report_inference(redis, "http://h1:30000", ok=True, writers=read_writer_stats(tmp_path, 30))
+    [server] = read_status(redis, config=StatusConfig()).cluster.inference
+    assert server.dump_cap_bytes == MB and server.dump_queued_bytes == 0
+    assert 0.2 < server.dump_backpressure <= 1, server

@@ -29,6 +29,7 @@ from eaglet.services.extractor.extract import Extractor
 from eaglet.services.extractor.reaper import Reaper
 from eaglet.shared import heartbeats, keys
 from eaglet.shared.config import Settings
+from eaglet.shared.dumpwriter import read_writer_stats
 from eaglet.shared.heartbeats import WorkerState
 from eaglet.shared.jobqueue import rq_worker_name
 from eaglet.shared.keys import queue_name
@@ -123,7 +124,8 @@ def heartbeat_loop(
                 instance=instance,
                 stage_seconds=status.stage_seconds,
             )
-            heartbeats.report_inference(redis, settings.inference_url, **_probe(http))
+            writers = read_writer_stats(settings.dump_dir, max_age_s=settings.lost_after_s)
+            heartbeats.report_inference(redis, settings.inference_url, **_probe(http), writers=writers)
             if reaper is not None and time.monotonic() - redis_ok_since > reaper.lost_after_s:
                 swept = reaper.sweep(active_runs(redis))
                 if any(swept.values()):
