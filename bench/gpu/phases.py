@@ -12,8 +12,11 @@ Phases:
             compared per tensor; prefill tokens/s of the server alone (plugin on, no dump) and of the pipeline.
   real      the same on the bundled SmolLM2-135M-Instruct (real weights, from its GGUF), on the demo
             conversations; keeps the store for `drafter`.
-  speed8b   Llama-3-8B shape (random bf16): prefill tokens/s of plain SGLang vs SGLang with the plugin
-            (2,048-token prompts, concurrency 32), and the pipeline's end-to-end tokens/s with 32 workers.
+  speed8b   Llama-3-8B shape (random bf16), 2,048-token prompts, concurrency 32, three repetitions each: plain
+            SGLang's prefill tokens/s (1,000 requests), the disk's fsync bandwidth, and the bf16 pipeline's
+            end-to-end tokens/s with 32 workers (1,200 samples, > 60 s), the server's memory sampled.
+  fp8speed8b  the same pipeline storing fp8 (encoded by the plugin on the GPU), three repetitions, and the GPU
+            encoder checked bit for bit against the workers' CPU encoder.
   ref8b     the reference server at the 8B shape: server alone (--no-dump) vs the pipeline.
   train8b   eaglet's trainer on the 8B store files that speed8b wrote (hidden 4096, TTT 7, 2,048-token
             samples): tokens/s and peak GPU memory.
@@ -213,8 +216,9 @@ def pretokenized(path: Path, lengths: list[int], vocab: int, seed: int) -> int:
     return sum(lengths)
 
 
-def eaglet_env(model: Path, port: int) -> dict:
+def eaglet_env(model: Path, port: int, store: str = "model") -> dict:
     return {
+        "EAGLET_STORE_DTYPE": store,
         "EAGLET_REDIS_URL": REDIS_URL,
         "EAGLET_DATA_DIR": str(DATA),
         "EAGLET_DUMP_DIR": str(DUMPS),
@@ -225,9 +229,21 @@ def eaglet_env(model: Path, port: int) -> dict:
     }
 
 
-def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, max_tokens: int, timeout: float) -> dict:
-    """The real thing: extractor worker processes, a run ingested and queued, waited on until complete."""
-    os.environ.update(eaglet_env(model, port))
+def pipeline(
+    run_id: str,
+    model: Path,
+    dataset: Path,
+    port: int,
+    workers: int,
+    max_tokens: int,
+    timeout: float,
+    store: str = "model",
+    sink: bool = False,
+) -> dict:
+    """The real thing: extractor worker processes, a run ingested and queued, waited on until complete.
+    ``sink``: each stored sample is removed once it is marked done (written and fsynced), so a run longer
+    than the disk holds can go on."""
+    os.environ.update(eaglet_env(model, port, store))
     sys.path[:0] = [str(REPO), f"{S}/esite"]
     from redis import Redis
 
@@ -246,7 +262,7 @@ def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, m
             n,
             [sys.executable, "-m", "eaglet.services.extractor.worker", "--name", n],
             PY_EAGLET,
-            eaglet_env(model, port),
+            eaglet_env(model, port, store),
         )
     t = time.time()
     while time.time() - t < 45:
@@ -259,6 +275,11 @@ def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, m
     res = ingest_new_run(redis, Settings(), run_id, dataset, RunOptions(max_tokens=max_tokens))
     state = RunState(redis, run_id)
     first = None
+    removed = [0]
+    if sink:
+        import threading
+
+        threading.Thread(target=remove_stored, args=(state, dataset, res.samples, removed), daemon=True).start()
     while time.time() - t_start < timeout:
         c = redis.hgetall(RunKeys(run_id).counts)
         done, failed = int(c.get("done", 0)), int(c.get("failed", 0))
@@ -285,9 +306,27 @@ def pipeline(run_id: str, model: Path, dataset: Path, port: int, workers: int, m
         "wall_s": round(wall, 2),
         "first_done_s": first,
         "tokens_per_s": round(int(counts.get("tokens", 0)) / wall, 1),
+        "bytes_per_s": round(int(counts.get("bytes", 0)) / wall, 1),
+        "store": store,
+        "removed_behind": removed[0],
     }
     log(f"{run_id}: {json.dumps(out)[:600]}")
     return out
+
+
+def remove_stored(state, dataset: Path, total: int, removed: list[int]) -> None:
+    """Removes each sample file of the run once the run marks it done, in index order."""
+    from eaglet.shared.store import sample_path
+
+    ids = [json.loads(line)["id"] for line in dataset.open()]
+    for i in range(total):
+        while not state.is_done(i) and not state.extraction_complete():
+            time.sleep(0.05)
+        try:
+            sample_path(DATA, state.run_id, ids[i]).unlink()
+            removed[0] += 1
+        except FileNotFoundError:
+            pass
 
 
 def stage_means(workers: list[str]) -> dict[str, float]:
@@ -538,51 +577,148 @@ def phase_real() -> None:
     phase_extract("real", model, ds, n_workers=4, chunk=128, compare=True, bench_prompts=None, max_tokens=2048)
 
 
+L8B_BYTES_PER_TOKEN = {"bf16": 4 * 4096 * 2, "fp8": 4 * (4096 + 4)}  # 3 aux + final states (+ fp8 scales)
+L8B_EXTRA = ["--chunked-prefill-size", "8192", "--mem-fraction-static", "0.8", "--cuda-graph-max-bs", "8"]
+L8B_LENGTH, L8B_CONCURRENCY, L8B_REPS = 2048, 32, 3
+
+
+def l8b_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(L8B_LENGTH)] for _ in range(n)]
+
+
 def phase_speed8b() -> None:
+    """Plain SGLang and the bf16 pipeline at the Llama-3-8B shape, each repeated, with the disk probed between.
+
+    Steady: >= 1,000 requests a plain repetition, >= 1,000 samples and >= 60 s a pipeline repetition. The store
+    is removed behind the pipeline as samples complete (written and fsynced first): a bf16 repetition writes
+    ~70 GB, more than the machine's disk holds.
+    """
     R = RESULTS.setdefault("speed8b", {})
     model = MODELS / "l8b"
-    t = time.time()
-    subprocess.run(
-        [sys.executable, "bench/gpu/mkmodel.py", "8b", str(model), f"{S}/tokenizer"],
-        check=True,
-        env={**os.environ, "PYTHONPATH": PY_EAGLET},
-    )
+    if not (model / "config.json").exists():
+        phase_models()
     R["model"] = "Llama-3-8B shape (hidden 4096, 32 layers, 32/8 heads, vocab 128256), random bf16"
-    R["model_build_s"] = round(time.time() - t, 1)
-    rng = random.Random(3)
-    n_req, length, conc = int(os.environ.get("N8B", "256")), 2048, 32
-    prompts = [[rng.randrange(3, 49152) for _ in range(length)] for _ in range(n_req)]
-    warm = prompts[:32]
-    extra = ["--chunked-prefill-size", "8192", "--mem-fraction-static", "0.8", "--cuda-graph-max-bs", "8"]
-    R["flags"] = " ".join(extra + SGL_BASE) + " (radix cache off in both)"
+    R["flags"] = " ".join(L8B_EXTRA + SGL_BASE) + " (radix cache off in both)"
+    n_plain, n_pipe = int(os.environ.get("N8B", "1000")), int(os.environ.get("NPIPE8B", "1200"))
     redis_up()
     DUMPS.mkdir(parents=True, exist_ok=True)
-    # plugin off: plain SGLang
-    R["plain_startup_s"] = sglang("s8b-plain", model, plugin=False, extra=extra)
-    bench(SGL_PORT, warm, conc, "warm-", False)
-    R["plain"] = bench(SGL_PORT, prompts, conc, "plain-", False)
-    log(f"speed8b plain: {R['plain']}")
+    R["plain_startup_s"] = sglang("s8b-plain", model, plugin=False, extra=L8B_EXTRA)
+    bench(SGL_PORT, l8b_prompts(32, 1), L8B_CONCURRENCY, "warm-", False)
+    R["plain"], R["disk"] = [], []
+    for rep in range(L8B_REPS):
+        R["plain"].append(bench(SGL_PORT, l8b_prompts(n_plain, 10 + rep), L8B_CONCURRENCY, f"plain{rep}-", False))
+        R["disk"].append(disk_probe())
+        log(f"speed8b plain {rep}: {R['plain'][-1]} disk {R['disk'][-1]}")
+        save("speed8b")
     stop("s8b-plain")
-    save("speed8b")
-    # plugin on: eaglet's launch command, every request an eaglet rid (dumped, awaited, deleted)
-    R["plugin_startup_s"] = sglang("s8b-plugin", model, plugin=True, extra=extra)
-    bench(SGL_PORT, warm, conc, "eaglet:warm:s:", True)
-    R["plugin"] = bench(SGL_PORT, prompts, conc, "eaglet:b8:s:", True)
-    R["plugin_loaded_no_dump"] = bench(SGL_PORT, prompts[:128], conc, "nodump-", False)
-    R["ratio_plugin_on_off"] = round(R["plugin"]["tokens_per_s"] / R["plain"]["tokens_per_s"], 4)
-    log(f"speed8b plugin: {R['plugin']} ratio {R['ratio_plugin_on_off']}")
-    save("speed8b")
-    ds = ROOT / "l8b.jsonl"
-    n_pipe = int(os.environ.get("NPIPE8B", "192"))
-    pretokenized(ds, [length] * n_pipe, 49152, seed=4)
-    R["pipeline"] = pipeline(f"l8b-{int(time.time())}", model, ds, SGL_PORT, conc, 8192, timeout=400)
-    R["ratio_pipeline_vs_plain_server"] = round(R["pipeline"]["tokens_per_s"] / R["plain"]["tokens_per_s"], 4)
-    R["ratio_pipeline_vs_plugin_server"] = round(R["pipeline"]["tokens_per_s"] / R["plugin"]["tokens_per_s"], 4)
-    R["plugin_log"] = plugin_lines("s8b-plugin")
+    pipeline_reps("speed8b", "bf16", model, n_pipe)
+
+
+def phase_fp8speed8b() -> None:
+    """The fp8 pipeline at the 8B shape (the server encodes on the GPU), repeated; the GPU encoder checked
+    bit for bit against the workers' CPU encoder on dumps of the same prompts."""
+    R = RESULTS.setdefault("fp8speed8b", {})
+    model = MODELS / "l8b"
+    redis_up()
+    pipeline_reps("fp8speed8b", "fp8", model, int(os.environ.get("NPIPE8B", "1200")))
+    R["gpu_encoder_vs_cpu"] = fp8_bits_check(l8b_prompts(16, 99))
     stop("s8b-plugin")
-    save("speed8b")
-    R["disk"] = disk_probe()
-    save("speed8b")
+    save("fp8speed8b")
+
+
+def pipeline_reps(phase: str, store: str, model: Path, n: int) -> None:
+    """``L8B_REPS`` pipeline runs of ``n`` 2,048-token samples on one plugin server, with the scheduler's memory
+    sampled throughout."""
+    R = RESULTS[phase]
+    if "s8b-plugin" not in PROCS:
+        R["plugin_startup_s"] = sglang("s8b-plugin", model, plugin=True, extra=L8B_EXTRA)
+        bench(SGL_PORT, l8b_prompts(32, 1), L8B_CONCURRENCY, "eaglet:warm:s:", True)
+    R["pipeline"] = []
+    for rep in range(L8B_REPS):
+        ds = ROOT / f"l8b-{rep}.jsonl"
+        pretokenized(ds, [L8B_LENGTH] * n, 49152, seed=20 + rep)
+        with MemorySampler(PROCS["s8b-plugin"].pid) as memory:
+            out = pipeline(f"{phase}-{rep}-{int(time.time())}", model, ds, SGL_PORT, L8B_CONCURRENCY, 8192,
+                           timeout=400, store=store, sink=True)  # fmt: skip
+        out["server_memory"] = memory.result()
+        out["bytes_per_token"] = L8B_BYTES_PER_TOKEN[store]
+        R["pipeline"].append(out)
+        log(f"{phase} pipeline {rep}: {out['tokens_per_s']} tok/s, memory {out['server_memory']}")
+        save(phase)
+    R["plugin_log"] = plugin_lines("s8b-plugin")
+
+
+class MemorySampler:
+    """Peak resident memory of each process of a server's process group (the scheduler holds the dumps),
+    sampled every 0.5 s in a thread."""
+
+    def __init__(self, pgid: int):
+        self.pgid, self.peaks, self.first = pgid, {}, {}
+        self._stop = False
+
+    def __enter__(self):
+        import threading
+
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop = True
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop:
+            for pid in os.listdir("/proc"):
+                try:
+                    stat = Path(f"/proc/{pid}/stat").read_text()
+                    if int(stat.rsplit(")", 1)[1].split()[2]) != self.pgid:
+                        continue
+                    name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")[-40:]
+                    rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                except (OSError, ValueError, IndexError):
+                    continue
+                key = f"{pid} {name}"
+                self.first.setdefault(key, rss)
+                self.peaks[key] = max(self.peaks.get(key, 0), rss)
+            time.sleep(0.5)
+
+    def result(self) -> dict:
+        return {k: {"start_GB": round(self.first[k] / 1e9, 2), "peak_GB": round(v / 1e9, 2)}
+                for k, v in self.peaks.items() if v > 1e9}  # fmt: skip
+
+
+def fp8_bits_check(prompts: list[list[int]]) -> dict:
+    """The same prompts dumped full width and fp8-encoded by the plugin on the GPU: the fp8 dumps must hold
+    exactly what the workers' CPU encoder makes of the full-width ones."""
+    import torch
+
+    from eaglet.shared.dumpfile import read_dump
+    from eaglet.shared.store import encode_fp8
+
+    client = httpx.Client(base_url=f"http://127.0.0.1:{SGL_PORT}", timeout=600)
+    equal, checked = 0, 0
+    for i, ids in enumerate(prompts):
+        paths = []
+        for kind, params in (("w", {}), ("e", {"custom_params": {"eaglet_dump": "fp8"}})):
+            rid = f"eaglet:bits:{kind}{i}:0"
+            sp = {"max_new_tokens": 1, "temperature": 0, **params}
+            client.post("/generate", json={"input_ids": ids, "rid": rid, "sampling_params": sp}).raise_for_status()
+            path = DUMPS / f"{rid}.safetensors"
+            t = time.time()
+            while not path.exists() and time.time() - t < 60:
+                time.sleep(0.01)
+            paths.append(path)
+        wide, enc = read_dump(paths[0]), read_dump(paths[1])
+        for name in ("hidden_states", "aux_hidden_states"):
+            values, scale = encode_fp8(getattr(wide, name))
+            checked += 1
+            equal += bool(torch.equal(getattr(enc, name).view(torch.uint8), values.view(torch.uint8))
+                          and torch.equal(enc.scales[f"{name}_scale"], scale))  # fmt: skip
+        for path in paths:
+            path.unlink()
+    return {"tensors_checked": checked, "bit_identical": equal}
 
 
 def disk_probe() -> dict:
@@ -624,7 +760,10 @@ def phase_ref8b() -> None:
 
 def phase_train8b() -> None:
     R = RESULTS.setdefault("train8b", {})
-    run_id = RESULTS.get("speed8b", {}).get("pipeline", {}).get("run") or os.environ.get("TRAIN8B_RUN")
+    # speed8b removes its store behind it: train on a run kept whole (an earlier speed8b, or one named)
+    run_id = os.environ.get("TRAIN8B_RUN")
+    if not run_id:
+        raise RuntimeError("train8b: set TRAIN8B_RUN to a run whose store was kept (speed8b removes its own)")
     steps = os.environ.get("TRAIN8B_STEPS", "30")
     argv = [
         sys.executable,
@@ -762,7 +901,16 @@ def phase_drafter() -> None:
     save("drafter")
 
 
-ESTIMATE_S = {"smol": 200, "real": 180, "speed8b": 300, "ref8b": 150, "train8b": 120, "drafter": 200, "models": 60}
+ESTIMATE_S = {
+    "smol": 200,
+    "real": 180,
+    "speed8b": 480,
+    "fp8speed8b": 250,
+    "ref8b": 150,
+    "train8b": 120,
+    "drafter": 200,
+    "models": 60,
+}
 
 
 def phase_models() -> None:
@@ -780,6 +928,7 @@ PHASES = {
     "smol": phase_smol,
     "real": phase_real,
     "speed8b": phase_speed8b,
+    "fp8speed8b": phase_fp8speed8b,
     "ref8b": phase_ref8b,
     "train8b": phase_train8b,
     "drafter": phase_drafter,
