@@ -9,7 +9,7 @@ eaglet gateway                     the HTTP status and control service
 eaglet train --run ID              train the drafter once the run's extraction is complete
 eaglet eval --run ID               speculative decoding with the drafter: acceptance length
 eaglet status [RUN] [--watch]      progress, rate, ETA, errors, workers, alerts
-eaglet regenerate PROMPTS OUT      the target's own answers to prompts, as conversations
+eaglet regenerate INPUT --run ID   start a run by regenerating the assistant turns with the target
 eaglet prepare-model               convert the bundled target model once
 eaglet demo                        all of it on the bundled model, on this machine
 """
@@ -29,7 +29,7 @@ ENTRY_POINTS = {
     "train": "eaglet.services.trainer.main",
     "eval": "eaglet.services.trainer.evaluate",
     "status": "eaglet.cli.status",
-    "regenerate": "eaglet.services.ingest.regenerate",
+    "regenerate": "eaglet.services.regenerate.main",
     "demo": "eaglet.cli.demo",
 }
 

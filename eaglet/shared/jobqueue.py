@@ -1,5 +1,6 @@
-"""eaglet's RQ queues: the control queue (one ingest job per run) and one extraction queue per run
-(one job per sample index), and who owns a started job.
+"""eaglet's RQ queues: the control queue (one ingest job per run, one regeneration planning job per run that
+starts with regeneration) and one queue per run (one job per sample index to extract, one per batch of prompts to
+regenerate), and who owns a started job.
 
 Jobs are named by import path, so this module (and the gateway that calls it) never imports the
 services that run them. A sample's job id is fixed by run and index, a run's ingest job by run: enqueuing
@@ -19,6 +20,9 @@ from eaglet.shared.records import WorkerBeat, WorkerState
 EXTRACT_JOB = "eaglet.services.extractor.jobs.extract_sample"
 EXTRACT_FAILED = "eaglet.services.extractor.jobs.on_extract_failure"  # records a crashed job's sample as failed
 INGEST_JOB = "eaglet.services.ingest.jobs.ingest_job"
+REGEN_PLAN_JOB = "eaglet.services.regenerate.jobs.plan_job"  # cuts a run's input into batches, queues them
+REGEN_JOB = "eaglet.services.regenerate.jobs.regenerate_batch"
+REGEN_FAILED = "eaglet.services.regenerate.jobs.on_batch_failure"
 BATCH = 1000
 
 
@@ -66,6 +70,33 @@ def enqueue_ingest(redis: Redis, run_id: str) -> str:
         INGEST_JOB, run_id, job_id=job_id(run_id, "ingest"), job_timeout=24 * 3600, result_ttl=86400
     )
     return job.id
+
+
+def enqueue_regeneration(redis: Redis, run_id: str) -> str:
+    """Queues the planning of a run that starts with regeneration, for an ingest worker; returns the job id."""
+    job = control_queue(redis).enqueue(
+        REGEN_PLAN_JOB, run_id, job_id=job_id(run_id, "regen-plan"), job_timeout=3600, result_ttl=86400
+    )
+    return job.id
+
+
+def enqueue_batches(redis: Redis, run_id: str, batches: Iterable[int], give_up: str = "", attempt: int = 0) -> int:
+    """Queues regeneration batches on the run's queue, where the extractor workers take them; ``give_up``: the
+    reason to record its unfinished prompts as failed, without asking the endpoint again. A batch queued again
+    after a failure (``attempt`` > 0) gets a job id of its own: RQ is still filing the failed job under the old one."""
+    jobs = [
+        Queue.prepare_data(
+            REGEN_JOB,
+            args=(run_id, int(b), give_up),
+            job_id=job_id(run_id, f"regen-{b}" + (f"-r{attempt}" if attempt else "")),
+            timeout=24 * 3600,
+            result_ttl=0,
+            failure_ttl=7 * 86400,
+            on_failure=Callback(REGEN_FAILED),
+        )
+        for b in batches
+    ]
+    return len(run_queue(redis, run_id).enqueue_many(jobs)) if jobs else 0
 
 
 def failed_indexes(redis: Redis, run_id: str) -> list[int]:

@@ -6,6 +6,7 @@ WORKERS = f"{PREFIX}:workers"  # HASH worker name -> records.WorkerBeat (JSON)
 INFERENCE = f"{PREFIX}:inference"  # HASH server url -> records.InferenceBeat (JSON), written by the workers using it
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: JSON {"run", "event", "ts"}
 CONTROL_QUEUE = f"{PREFIX}-control"  # RQ queue of run-level jobs (ingest a dataset); ingest workers listen to it
+SERIES_RECORDER = f"{PREFIX}:series:recorder"  # STRING, expiring: the gateway process recording this interval's points
 
 
 def queue_name(run_id: str) -> str:
@@ -32,6 +33,11 @@ class RunKeys:
         self.abandoned = f"{base}:abandoned"  # SET sample indexes whose RQ job RQ itself found abandoned
         self.train = f"{base}:train"  # HASH: records.TrainProgress
         self.eval = f"{base}:eval"  # HASH: records.EvalResult
+        # Capped series (eaglet/shared/series.py): LIST of JSON points, oldest first; HASH interval, first, last, closed
+        self.extraction_series = f"{base}:series:extraction"
+        self.extraction_series_meta = f"{base}:series:extraction:meta"
+        self.train_series = f"{base}:series:train"
+        self.train_series_meta = f"{base}:series:train:meta"
 
     def all(self) -> list[str]:
         return [v for k, v in vars(self).items() if k != "run_id"]

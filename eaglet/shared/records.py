@@ -3,7 +3,7 @@
 Redis keeps text; these records parse it once, here, so no other module reads or writes those fields by name.
 
     Stage                  the run's stage, the truth of where it is (``RunMeta.stage``)
-    ACTIVE_STAGES          stages in which samples are still being ingested or extracted
+    ACTIVE_STAGES          stages in which prompts are regenerated or samples ingested or extracted
     TRAINER_STAGES         stages in which a trainer process runs (and beats)
     FINISHED_STAGES        stages a run never leaves
     GPUS_RELEASED          the meta field the trainer waits for when it needs the inference service's GPUs
@@ -33,6 +33,7 @@ from typing import Any, Self
 
 
 class Stage(StrEnum):
+    regenerating = "regenerating"  # the target writes the dataset's assistant turns again, before ingest
     ingesting = "ingesting"
     extracting = "extracting"
     extracted = "extracted"  # every sample has an outcome; the trainer has not started yet
@@ -44,7 +45,7 @@ class Stage(StrEnum):
     cancelled = "cancelled"
 
 
-ACTIVE_STAGES = frozenset({Stage.ingesting, Stage.extracting})
+ACTIVE_STAGES = frozenset({Stage.regenerating, Stage.ingesting, Stage.extracting})
 TRAINER_STAGES = frozenset({Stage.waiting_for_gpus, Stage.training, Stage.evaluating})
 FINISHED_STAGES = frozenset({Stage.done, Stage.failed, Stage.cancelled})
 GPUS_RELEASED = "gpus_released"
@@ -150,6 +151,11 @@ class RunMeta(HashRecord):
     first dump checked; a dump of other layers is refused. The drafter's config.json records these."""
     options: dict | None = None
     """The ingest options the run was started with."""
+    regenerate_input: str | None = None
+    """The prompts or conversations a run that starts with regeneration was given; ``dataset`` is then the
+    regenerated file, once written."""
+    regenerated_at: float | None = None
+    """When the regenerated file was written."""
     ingest_cursor: dict | None = None
     """Where ingest last flushed: a resumed ingest starts there."""
     ingest_deaths: int | None = None

@@ -4,9 +4,9 @@ Done and failed marks are bits by sample index, so a retried or duplicated job n
 The mark that gives the last sample its outcome sets ``extraction_complete`` in the same Lua script,
 hence exactly once, and publishes an event. Every read the status needs is O(1) in the samples.
 
-The run's stage moves only through the transitions below (``start_extraction``, ``wait_for_gpus``,
-``start_training``, ``start_evaluating``, ``finish``, ``fail``, ``cancel``), each checked against the stage
-it finds, atomically: a run that is done, failed or cancelled stays so. The meta, train and eval hashes are
+The run's stage moves only through the transitions below (``finish_regeneration``, ``start_extraction``,
+``wait_for_gpus``, ``start_training``, ``start_evaluating``, ``finish``, ``fail``, ``cancel``), each checked against
+the stage it finds, atomically: a run that is done, failed or cancelled stays so. The meta, train and eval hashes are
 read and written as records (eaglet/shared/records.py).
 """
 
@@ -149,11 +149,11 @@ class RunState:
         self._reopen_failed = redis.register_script(REOPEN_FAILED)
         self._move_stage = redis.register_script(MOVE_STAGE)
 
-    def create(self, **meta: object) -> None:
-        """Registers the run (stage ``ingesting``) with the ``RunMeta`` fields given; ``total`` is set by
-        ``set_total`` once ingest is done."""
+    def create(self, stage: Stage = Stage.ingesting, **meta: object) -> None:
+        """Registers the run (stage ``ingesting``, or ``regenerating`` for a run that starts by regenerating its
+        dataset) with the ``RunMeta`` fields given; ``total`` is set by ``set_total`` once ingest is done."""
         now = time.time()
-        record = RunMeta(run_id=self.run_id, created_at=now, stage=Stage.ingesting, **meta)
+        record = RunMeta(run_id=self.run_id, created_at=now, stage=stage, **meta)
         pipe = self.redis.pipeline()
         pipe.hset(self.keys.meta, mapping=record.to_redis())
         pipe.hset(self.keys.counts, mapping={"done": 0, "failed": 0, "tokens": 0, "bytes": 0, "retries": 0})
@@ -212,6 +212,12 @@ class RunState:
     def record_ingest_death(self) -> int:
         """The process ingesting the run died; returns how many times that has happened to it."""
         return int(self.redis.hincrby(self.keys.meta, "ingest_deaths", 1))
+
+    def finish_regeneration(self, dataset: str, *, stop: bool) -> bool:
+        """The regenerated file is written: the run goes on to ingest it as its dataset, or ends ``done`` if it was
+        to stop there. False if the run had left ``regenerating`` (another worker moved it, or it was cancelled)."""
+        to = Stage.done if stop else Stage.ingesting
+        return self._move(to, (Stage.regenerating,), dataset=dataset, regenerated_at=time.time()) is not None
 
     def start_extraction(self) -> bool:
         """The first samples are queued; ingest goes on, so the total is not known yet. False if the run had

@@ -83,7 +83,11 @@ class Extraction(BaseModel):
     percent: float | None = Field(description="Samples with an outcome (done or failed) over total, in %")
     samples_per_s: float = Field(description="Completions per second over the recent window")
     tokens_per_s: float
-    eta_s: float | None = Field(description="Remaining samples over samples_per_s; null when unknown")
+    eta_s: float | None = Field(
+        description="Tokens of the samples left over tokens_per_s (samples differ in length, tokens are the work); "
+        "null when unknown"
+    )
+    tokens_remaining: int | None = Field(None, description="Tokens of the samples without an outcome")
     error_rate: float | None = Field(description="Failed samples over samples with an outcome")
     recent_error_rate: float | None = Field(description="Errored attempts over all attempts in the recent window")
     recent_attempts: int = Field(description="Attempts (completions and errors) in the recent window")
@@ -94,6 +98,27 @@ class Extraction(BaseModel):
     last_done_at: float | None
     seconds_since_last_done: float | None
     last_errors: list[ErrorEntry]
+
+
+class Regeneration(BaseModel):
+    total: int | None = Field(description="Prompts in the input; null while it is being cut into batches")
+    done: int
+    failed: int = Field(description="Prompts given up: bad lines, or the endpoint kept failing (see last_errors)")
+    remaining: int | None
+    percent: float | None
+    prompts_per_s: float = Field(description="Prompts answered per second over the recent window")
+    tokens_in: int = Field(description="Prompt tokens sent, every turn of every conversation")
+    tokens_out: int = Field(description="Tokens the target wrote")
+    tokens_out_per_s: float
+    eta_s: float | None = Field(
+        description="Prompts left over prompts_per_s: an answer's length is not known before it is written"
+    )
+    retries: int = Field(description="Requests tried again (429, 5xx, timeouts)")
+    error_rate: float | None = Field(description="Failed prompts over prompts with an outcome")
+    started_at: float | None
+    completed_at: float | None = Field(description="When the regenerated file was written")
+    last_done_at: float | None
+    seconds_since_last_done: float | None
 
 
 class Storage(BaseModel):
@@ -135,6 +160,7 @@ class RunStatus(BaseModel):
     dataset: str | None
     model: str | None
     error: str | None = Field(description="Why the run failed, when it did")
+    regeneration: Regeneration | None = Field(None, description="Only for a run that starts with regeneration")
     extraction: Extraction
     storage: Storage
     training: Training
@@ -249,7 +275,7 @@ def _queue_cluster(pipe) -> None:
     pipe.hgetall(keys.INFERENCE)
 
 
-RUN_REPLIES = 7
+RUN_REPLIES = 9
 
 
 def _queue_run(pipe, run_id: str, config: StatusConfig) -> None:
@@ -261,6 +287,8 @@ def _queue_run(pipe, run_id: str, config: StatusConfig) -> None:
     pipe.lrange(k.errors, 0, -1)  # capped by the writer (ERRORS_CAP)
     pipe.hgetall(k.train)
     pipe.hgetall(k.eval)
+    pipe.hgetall(k.regen)
+    pipe.lrange(k.regen_recent, 0, min(RATE_SAMPLES, RECENT_CAP) - 1)
 
 
 def _float(d: dict, key: str) -> float | None:
@@ -330,11 +358,12 @@ def _worker(name: str, beat: WorkerBeat, age: float, lost: bool) -> WorkerStatus
 
 
 def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now: float) -> RunStatus:
-    raw_meta, counts, in_flight, recent, errors, raw_train, raw_eval = replies[:RUN_REPLIES]
+    raw_meta, counts, in_flight, recent, errors, raw_train, raw_eval, regen, regen_recent = replies[:RUN_REPLIES]
     meta = RunMeta.from_redis(raw_meta)
     stage = meta.stage or Stage.ingesting
     completions = _parse_recent(recent)
     extraction = _extraction(meta, counts, in_flight, completions, errors, config, now)
+    answered = _parse_recent(regen_recent)  # "ts tokens_out tokens_in" per prompt: the same shape
     storage = _storage(meta, counts, cluster)
     run = RunStatus(
         run_id=run_id,
@@ -343,14 +372,54 @@ def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now
         dataset=meta.dataset,
         model=meta.model,
         error=meta.error,
+        regeneration=_regeneration(meta, regen, answered, config, now) if meta.regenerate_input else None,
         extraction=extraction,
         storage=storage,
         training=_training(stage, meta, TrainProgress.from_redis(raw_train), now),
         evaluation=_evaluation(EvalResult.from_redis(raw_eval)),
         alerts=[],
     )
-    run.alerts = _alerts(run, completions, cluster, config, now)
+    run.alerts = _alerts(run, answered if stage == Stage.regenerating else completions, cluster, config, now)
     return run
+
+
+def _rates(completions: list[tuple[float, int, int]], started: float | None, config: StatusConfig, now: float):
+    """(completions/s, their tokens/s) over the recent window, or over the newest ones read when they all lie in
+    it, or since ``started`` when that is later; and the completions in the window."""
+    in_window = [c for c in completions if c[0] >= now - config.window_s]
+    span = config.window_s if started is None else min(config.window_s, now - started)
+    if len(completions) >= min(RATE_SAMPLES, RECENT_CAP) and len(in_window) == len(completions):
+        span = now - completions[-1][0]  # more completions than we read lie in the window: rate over those read
+    span = max(span, 1e-9)
+    return len(in_window) / span, sum(c[1] for c in in_window) / span, in_window
+
+
+def _regeneration(
+    meta: RunMeta, raw: dict, answered: list[tuple[float, int, int]], config: StatusConfig, now: float
+) -> Regeneration:
+    total, done, failed = _int(raw, "total"), _int(raw, "done") or 0, _int(raw, "failed") or 0
+    remaining = max(0, total - done - failed) if total is not None else None
+    started = _float(raw, "started_at") or meta.created_at
+    prompts_per_s, tokens_per_s, _ = _rates(answered, started, config, now)
+    last_done = _float(raw, "last_done_at")
+    return Regeneration(
+        total=total,
+        done=done,
+        failed=failed,
+        remaining=remaining,
+        percent=100.0 * (done + failed) / total if total else None,
+        prompts_per_s=prompts_per_s,
+        tokens_in=_int(raw, "tokens_in") or 0,
+        tokens_out=_int(raw, "tokens_out") or 0,
+        tokens_out_per_s=tokens_per_s,
+        eta_s=remaining / prompts_per_s if remaining is not None and prompts_per_s > 0 else None,
+        retries=_int(raw, "retries") or 0,
+        error_rate=failed / (done + failed) if done + failed else None,
+        started_at=started,
+        completed_at=meta.regenerated_at,
+        last_done_at=last_done,
+        seconds_since_last_done=now - last_done if last_done is not None else None,
+    )
 
 
 def _parse_recent(recent: list[str]) -> list[tuple[float, int, int]]:
@@ -376,13 +445,8 @@ def _extraction(
     remaining = max(0, total - done - failed) if total is not None else None
     started = meta.extraction_started_at or meta.created_at
     cutoff = now - config.window_s
-    in_window = [c for c in completions if c[0] >= cutoff]
-    span = config.window_s if started is None else min(config.window_s, now - started)
-    if len(completions) >= min(RATE_SAMPLES, RECENT_CAP) and len(in_window) == len(completions):
-        span = now - completions[-1][0]  # more completions than we read lie in the window: rate over those read
-    span = max(span, 1e-9)
-    samples_per_s = len(in_window) / span
-    tokens_per_s = sum(c[1] for c in in_window) / span
+    samples_per_s, tokens_per_s, in_window = _rates(completions, started, config, now)
+    tokens_left = _tokens_left(meta, remaining, _int(counts, "tokens") or 0, failed)
     parsed_errors = [json.loads(e) for e in errors]
     recent_errors = sum(1 for e in parsed_errors if e.get("ts", 0) >= cutoff and e.get("index", -1) >= 0)
     attempts = recent_errors + len(in_window)
@@ -396,7 +460,8 @@ def _extraction(
         percent=100.0 * (done + failed) / total if total else (100.0 if total == 0 else None),
         samples_per_s=samples_per_s,
         tokens_per_s=tokens_per_s,
-        eta_s=remaining / samples_per_s if remaining is not None and samples_per_s > 0 else None,
+        eta_s=tokens_left / tokens_per_s if tokens_left is not None and tokens_per_s > 0 else None,
+        tokens_remaining=tokens_left,
         error_rate=failed / (done + failed) if done + failed else None,
         recent_error_rate=recent_errors / attempts if attempts else None,
         recent_attempts=attempts,
@@ -408,6 +473,17 @@ def _extraction(
         seconds_since_last_done=now - last_done if last_done is not None else None,
         last_errors=[ErrorEntry(**e) for e in parsed_errors[: config.last_errors]],
     )
+
+
+def _tokens_left(meta: RunMeta, remaining: int | None, tokens_done: int, failed: int) -> int | None:
+    """Tokens of the samples without an outcome: the run's tokens (ingest counts them) less those stored, less the
+    failed samples' at the run's mean (their own lengths are not counted)."""
+    total, total_tokens = meta.total, meta.total_tokens
+    if remaining is None or total_tokens is None or not total:
+        return None
+    if remaining == 0:
+        return 0
+    return max(0, round(total_tokens - tokens_done - failed * total_tokens / total))
 
 
 def _storage(meta: RunMeta, counts: dict, cluster: Cluster) -> Storage:
@@ -478,9 +554,18 @@ def _usual_interval(completions: list[tuple[float, int, int]], n: int = 100) -> 
 def _alerts(
     run: RunStatus, completions: list[tuple[float, int, int]], cluster: Cluster, config: StatusConfig, now: float
 ) -> list[Alert]:
+    """``completions``: those of the run's current stage (answered prompts while it regenerates, else samples)."""
     alerts = []
-    ex = run.extraction
-    extracting = run.stage in ACTIVE_STAGES and ex.remaining != 0
+    ex, rg = run.extraction, run.regeneration
+    regenerating = run.stage == Stage.regenerating and rg is not None and rg.remaining != 0
+    extracting = run.stage in ACTIVE_STAGES and ex.remaining != 0 and run.stage != Stage.regenerating
+    if regenerating:
+        usual = _usual_interval(completions)
+        since = rg.last_done_at or rg.started_at or run.created_at or now
+        limit = _stall_limit(usual, config)
+        if now - since > limit:
+            alerts.append(Alert(kind="stalled", message=(
+                f"no prompt regenerated for {now - since:.1f} s (limit {limit:.1f} s)")))  # fmt: skip
     if extracting:
         usual = _usual_interval(completions)
         since = ex.last_done_at or ex.started_at or run.created_at or now
@@ -497,7 +582,9 @@ def _alerts(
         lost = [w.name for w in cluster.workers if w.lost and w.run in ("", run.run_id)]
         if lost:
             alerts.append(Alert(kind="workers_lost", message=f"{len(lost)} worker(s) lost: {', '.join(lost[:8])}"))
-        elif extracting and not any(w.role == WorkerRole.extractor and not w.lost for w in cluster.workers):
+        elif (extracting or regenerating) and not any(
+            w.role == WorkerRole.extractor and not w.lost for w in cluster.workers
+        ):
             alerts.append(Alert(kind="workers_lost", message="no live worker: start extractor workers"))
     tr = run.training
     if run.stage in TRAINER_STAGES and (tr.seconds_since_beat is None or tr.seconds_since_beat > config.lost_after_s):
@@ -519,7 +606,20 @@ def _alerts(
         alerts.append(
             Alert(kind="error_rate", message=f"error rate {rate:.1%} above {config.error_rate_threshold:.1%}")
         )
+    if (
+        rg is not None
+        and rg.error_rate is not None
+        and rg.done + rg.failed >= config.error_rate_min_attempts
+        and rg.error_rate > config.error_rate_threshold
+    ):
+        given_up = f"regeneration: {rg.error_rate:.1%} of prompts given up"
+        alerts.append(Alert(kind="error_rate", message=f"{given_up}, above {config.error_rate_threshold:.1%}"))
     return alerts
+
+
+def _stall_limit(usual: float | None, config: StatusConfig) -> float:
+    """Seconds without a completion after which a stage is stalled."""
+    return max(config.stall_factor * usual, config.stall_min_s) if usual else config.stall_factor * config.stall_min_s
 
 
 def _alert_error_rate(ex: Extraction, config: StatusConfig) -> float | None:

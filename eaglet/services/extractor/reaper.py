@@ -16,6 +16,9 @@ Those are found when a run has nothing queued, started or in flight for ``lost_a
 without an outcome: the done and failed bitmaps are read once (total/8 bytes) and the missing samples
 queued again.
 
+Regeneration batches (eaglet/services/regenerate/) run on the same queues: one whose worker died is queued
+again the same way; the prompts it finished are kept in its result file and not asked again.
+
 Samples that RQ found abandoned first (a worker that is not eaglet's, or no sweeper for an hour) are
 noted by the failure callback in ``RunKeys.abandoned`` and queued again from the FailedJobRegistry here.
 """
@@ -32,10 +35,11 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.utils import parse_composite_key
 
+from eaglet.services.regenerate.progress import Progress, requeue_batch
 from eaglet.shared import heartbeats
-from eaglet.shared.jobqueue import enqueue_samples, job_id, owner_alive, owner_of, run_queue
+from eaglet.shared.jobqueue import REGEN_JOB, enqueue_batches, enqueue_samples, job_id, owner_alive, owner_of, run_queue
 from eaglet.shared.keys import RunKeys, queue_name
-from eaglet.shared.records import WorkerBeat
+from eaglet.shared.records import Stage, WorkerBeat
 from eaglet.shared.runstate import RunState
 
 log = logging.getLogger(__name__)
@@ -74,7 +78,10 @@ class Reaper:
 
     def _requeue_lost(self, run_id: str, registry: StartedJobRegistry) -> list[str]:
         k = RunKeys(run_id)
-        total = RunState(self.redis, run_id).meta().total
+        meta = RunState(self.redis, run_id).meta()
+        if meta.stage == Stage.regenerating:
+            return self._requeue_lost_batches(run_id, registry)
+        total = meta.total
         pipe = self.redis.pipeline(transaction=False)
         pipe.hmget(k.counts, "done", "failed")
         pipe.hlen(k.inflight)
@@ -98,6 +105,26 @@ class Reaper:
         missing = np.flatnonzero(bits == 0).tolist() + list(range(len(bits), total))
         return [self._abandoned(run_id, int(i), "its job was lost (a worker died as it took it)") for i in missing]
 
+    def _requeue_lost_batches(self, run_id: str, registry: StartedJobRegistry) -> list[str]:
+        """Batches that no queue, registry or worker holds while the regeneration is unfinished: lost between a
+        worker's LPOP and RQ's started registry, as samples can be. Queued again (one bit per batch to read)."""
+        progress = Progress(self.redis, run_id)
+        busy = run_queue(self.rq_redis, run_id).count or self.rq_redis.zcard(registry.key)
+        if busy or not progress.planned():
+            self._idle_since.pop(run_id, None)
+            return []
+        since = self._idle_since.setdefault(run_id, time.monotonic())
+        if time.monotonic() - since < self.lost_after_s:
+            return []
+        self._idle_since.pop(run_id, None)
+        # None unfinished: the job that gave the last prompt its outcome died before it moved the run on; any batch's
+        # job, run again, finds every prompt done and moves it.
+        lost = progress.unfinished_batches() or [0]
+        enqueue_batches(self.rq_redis, run_id, lost)
+        log.warning("run %s: regeneration batches %s were lost (a worker died as it took them); queued again",
+                    run_id, lost[:20])  # fmt: skip
+        return ["requeued"] * len(lost)
+
     def _check(
         self, run_id: str, registry: StartedJobRegistry, entry: str, beats: dict[str, WorkerBeat], now: float
     ) -> str:
@@ -106,6 +133,8 @@ class Reaper:
             job = Job.fetch(jid, connection=self.rq_redis)
         except NoSuchJobError:
             return "gone"
+        if job.func_name == REGEN_JOB:
+            return self._check_batch(registry, entry, job, beats)
         run, index = job.args
         started = job.started_at.timestamp() if job.started_at else now
         if now - started > self.lost_after_s and RunState(self.redis, run).has_outcome(int(index)):
@@ -134,6 +163,19 @@ class Reaper:
         if what != "requeued":
             job.delete()  # finished or given up: nothing will run it again
         return what
+
+    def _check_batch(self, registry: StartedJobRegistry, entry: str, job: Job, beats: dict[str, WorkerBeat]) -> str:
+        """A regeneration batch whose worker died: queued again (its finished prompts are in its file, kept)."""
+        owner = owner_of(job.worker_name or "")
+        if owner is None or owner_alive(owner, beats, lost_after_s=self.lost_after_s, instance=self.instance):
+            return "alive"
+        if not self.rq_redis.zrem(registry.key, entry):
+            return "taken"
+        job.delete()
+        run_id, batch, _ = job.args
+        why = f"worker {owner[0]} died while regenerating it"
+        RunState(self.redis, run_id).record_error(-1, "", f"regeneration batch {batch}: {why}", "reaper")
+        return requeue_batch(self.redis, self.rq_redis, run_id, int(batch), why, self.max_lost)
 
     def _abandoned(self, run_id: str, index: int, why: str, instance: str = "") -> str:
         state = RunState(self.redis, run_id)

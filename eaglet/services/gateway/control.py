@@ -41,7 +41,11 @@ class StartRun(BaseModel):
 
     dataset: str = Field(min_length=1, description="A JSONL file under one of the gateway's dataset roots")
     run_id: str | None = Field(None, description="1-128 of [A-Za-z0-9._-]; generated when null")
-    options: RunOptions = Field(default_factory=RunOptions, description="How the dataset is ingested")
+    options: RunOptions = Field(
+        default_factory=RunOptions,
+        description="How the dataset is ingested; with 'regenerate', its assistant turns are first written again by "
+        "the target (prompts or conversations in, the regenerated conversations ingested in the same run)",
+    )
 
     @field_validator("run_id")
     @classmethod
@@ -86,10 +90,15 @@ def resolve_dataset(dataset: str, roots: list[Path]) -> Path:
 
 
 def queue_run(redis: Redis, queue_redis: Redis, *, run_id: str, dataset: Path, options: RunOptions) -> RunStarted:
-    """Creates the run (``RunExists`` if the id is taken) and queues its ingest for an ingest worker."""
+    """Creates the run (``RunExists`` if the id is taken) and queues its ingest for an ingest worker, or first its
+    regeneration when the options ask for one (the ingest follows it in the same run)."""
     create_run(redis, run_id, dataset, options)
-    job_id = jobqueue.enqueue_ingest(queue_redis, run_id)
-    log.info("run %s: ingest of %s queued as %s", run_id, dataset, job_id)
+    if options.regenerate is None:
+        job_id = jobqueue.enqueue_ingest(queue_redis, run_id)
+    else:
+        job_id = jobqueue.enqueue_regeneration(queue_redis, run_id)
+    log.info("run %s: %s of %s queued as %s", run_id, "ingest" if options.regenerate is None else "regeneration",
+             dataset, job_id)  # fmt: skip
     return RunStarted(run_id=run_id, dataset=str(dataset), job_id=job_id)
 
 

@@ -1,14 +1,17 @@
 """The reference inference server: SGLang's HTTP contract (``/generate``, ``/health``,
-``/get_model_info``) over the reference engine, writing ``<dump_dir>/<rid>.safetensors`` for every
-eaglet request exactly as SGLang with eaglet's plugin does.
+``/get_model_info``, and OpenAI's ``/v1/chat/completions`` as SGLang serves it) over the reference engine,
+writing ``<dump_dir>/<rid>.safetensors`` for every eaglet request exactly as SGLang with eaglet's plugin does.
 """
 
 import asyncio
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
+from typing import Literal
 
 from fastapi import FastAPI, HTTPException
+from jinja2 import TemplateError
 from pydantic import BaseModel, Field
 
 from eaglet.services.inference.batcher import Batcher
@@ -17,6 +20,7 @@ from eaglet.shared.dumpfile import DUMP_ENCODING_PARAM, FP8_ENCODING
 from eaglet.shared.ids import UnsafeName, check_rid
 
 log = logging.getLogger(__name__)
+DEFAULT_CHAT_MAX_TOKENS = 256
 
 
 class SamplingParams(BaseModel):
@@ -25,6 +29,24 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     custom_params: dict | None = None
     """As SGLang's: read only for ``eaglet_dump`` (fp8-encoded dumps, eaglet/shared/dumpfile.py)."""
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(BaseModel):
+    """OpenAI's chat completion request, the fields a regeneration sends; the rest are ignored, as servers do."""
+
+    model: str = "default"
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=32768)
+    max_completion_tokens: int | None = Field(None, ge=1, le=32768)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
 
 
 class GenerateRequest(BaseModel):
@@ -87,6 +109,46 @@ def create_app(engine: ReferenceEngine, batcher: Batcher) -> FastAPI:
                 "completion_tokens": len(output_ids),
                 "finish_reason": {"type": "stop" if stopped else "length"},
                 "e2e_latency": time.perf_counter() - started,
+            },
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest) -> dict:
+        """OpenAI's chat completions: the target's chat template (with the generation prompt), then the same batched
+        generation as ``/generate``; greedy at temperature 0."""
+        if req.stream:
+            raise HTTPException(400, "stream is not supported; send stream: false")
+        messages = [m.model_dump() for m in req.messages]
+        try:
+            ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except (TemplateError, ValueError, TypeError) as e:
+            raise HTTPException(400, f"chat template cannot render these messages: {e}") from e
+        ids = engine.tokenizer(ids, add_special_tokens=False).input_ids
+        max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+        if len(ids) + max_tokens > engine.max_positions:
+            raise HTTPException(400, f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
+                                f"context of {engine.max_positions}")  # fmt: skip
+        output_ids = await batcher.generate(ids, None, max_tokens, req.temperature, req.top_p)
+        stopped = bool(output_ids) and output_ids[-1] == engine.tokenizer.eos_token_id
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": engine.tokenizer.decode(output_ids, skip_special_tokens=True),
+                    },
+                    "finish_reason": "stop" if stopped else "length",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(output_ids),
+                "total_tokens": len(ids) + len(output_ids),
             },
         }
 

@@ -15,7 +15,7 @@ from redis import Redis
 from eaglet.shared import keys
 from eaglet.shared.ids import check_id
 from eaglet.shared.runoptions import RunOptions
-from eaglet.shared.runstate import RunState
+from eaglet.shared.runstate import RunState, Stage
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,9 @@ class RunExists(ValueError):
 
 
 def create_run(redis: Redis, run_id: str, dataset: Path, options: RunOptions) -> RunState:
-    """Claims ``run_id`` and records the run (stage ``ingesting``) with its dataset and options. The claim is
-    atomic, so two gateway replicas (or a gateway and a terminal) never create the same run twice."""
+    """Claims ``run_id`` and records the run (stage ``ingesting``, or ``regenerating`` if its options ask for it)
+    with its dataset and options. The claim is atomic, so two gateway replicas (or a gateway and a terminal) never
+    create the same run twice."""
     check_id(run_id, "run id")
     if not Path(dataset).is_file():
         raise FileNotFoundError(f"dataset {dataset}: no such file")
@@ -34,6 +35,10 @@ def create_run(redis: Redis, run_id: str, dataset: Path, options: RunOptions) ->
     if state.exists() or not redis.zadd(keys.RUNS, {run_id: time.time()}, nx=True):
         raise RunExists(f"run {run_id!r} exists already; pick another id")
     # Absolute: whoever ingests (a worker, a later --resume) may run from another folder.
-    state.create(dataset=str(Path(dataset).absolute()), options=options.to_json())
+    dataset = str(Path(dataset).absolute())
+    if options.regenerate is None:
+        state.create(dataset=dataset, options=options.to_json())
+    else:  # ``dataset`` becomes the regenerated file once it is written
+        state.create(Stage.regenerating, dataset=dataset, regenerate_input=dataset, options=options.to_json())
     log.info("run %s: created for %s", run_id, dataset)
     return state
