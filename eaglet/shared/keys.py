@@ -31,6 +31,13 @@ class RunKeys:
         self.attempts = f"{base}:attempts"  # HASH sample index -> attempts so far
         self.lost = f"{base}:lost"  # HASH sample index -> times the worker extracting it died
         self.abandoned = f"{base}:abandoned"  # SET sample indexes whose RQ job RQ itself found abandoned
+        self.regen = f"{base}:regen"  # HASH: total, done, failed, tokens_in, tokens_out, last_done_at, complete
+        self.regen_done = f"{base}:regen:done"  # bitmap by prompt index (the prompt's place among the input's prompts)
+        self.regen_failed = f"{base}:regen:failed"  # bitmap by prompt index
+        self.regen_recent = f"{base}:regen:recent"  # LIST, newest first, capped: "ts tokens_out tokens_in" per prompt
+        self.regen_batches = f"{base}:regen:batches"  # LIST of JSON {offset, line, prompt, count}, one per batch job
+        self.regen_batch_done = f"{base}:regen:batch_done"  # bitmap by batch: the batch's job ran to its end
+        self.regen_lost = f"{base}:regen:lost"  # HASH batch -> times the worker running it died
         self.train = f"{base}:train"  # HASH: records.TrainProgress
         self.eval = f"{base}:eval"  # HASH: records.EvalResult
         # Capped series (eaglet/shared/series.py): LIST of JSON points, oldest first; HASH interval, first, last, closed
