@@ -14,7 +14,15 @@ from rich.table import Table
 from rich.text import Text
 
 from eaglet.shared.config import StatusSettings
-from eaglet.shared.status import Cluster, RunStatus, StatusConfig, disk_usage, read_run, read_status
+from eaglet.shared.status import (
+    Cluster,
+    InferenceStatus,
+    RunStatus,
+    StatusConfig,
+    disk_usage,
+    read_run,
+    read_status,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -85,7 +93,7 @@ def render_run(run: RunStatus) -> Panel:
     return Panel(grid, title=title, title_align="left")
 
 
-def render_cluster(cluster: Cluster) -> Table:
+def render_cluster(cluster: Cluster) -> Group:
     table = Table("worker", "state", "run", "sample", "heartbeat", "s a sample: server / check / store",
                   title="workers", title_justify="left")  # fmt: skip
     for w in cluster.workers:
@@ -93,12 +101,28 @@ def render_cluster(cluster: Cluster) -> Table:
         st = w.stage_seconds
         stages = f"{st['prefill']:.2f} / {st['check']:.2f} / {st['store']:.2f}" if "store" in st else ""
         table.add_row(w.name, state, w.run, w.sample, f"{w.seconds_since_heartbeat:.1f} s ago", stages)
+    servers = Table("host", "inference server", "health", "model", "extraction", "detail",
+                    title="inference servers", title_justify="left")  # fmt: skip
     for s in cluster.inference:
         detail = s.detail
         if s.dump_backpressure is not None:  # the share of the recent time its forwards waited for the dump folder
             detail += f" · dumps wait {s.dump_backpressure:.0%}"
-        table.add_row(s.url, "healthy" if s.healthy else Text("down", style="red"), "", "", detail, "")
-    return table
+        rate = f"{s.tokens_per_s:,.0f} tok/s, {s.samples_per_s:.2f} samples/s, {s.workers} worker(s)"
+        servers.add_row(s.host, s.url, "healthy" if s.healthy else Text("down", style="red"), server_model(s), rate,
+                        detail)  # fmt: skip
+    return Group(table, servers)
+
+
+def server_model(s: InferenceStatus) -> str:
+    """The server's model, hidden size and captured layers, as far as they are known."""
+    parts = [s.model or "model ?"]
+    if s.hidden_size is not None:
+        parts.append(f"hidden {s.hidden_size}")
+    if s.num_layers is not None:
+        parts.append(f"{s.num_layers} layers")
+    if s.aux_layer_ids is not None:
+        parts.append(f"captures {s.aux_layer_ids}")
+    return ", ".join(parts)
 
 
 def snapshot(redis: Redis, args: argparse.Namespace, config: StatusConfig, disk) -> tuple[object, Group | None]:

@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     inference_url: str = "http://127.0.0.1:30000"
     """The inference server this host's workers talk to."""
 
+    host_name: str = ""
+    """This host's name in the status (its workers and its inference server). Empty: the machine's host name; give
+    each host its own where every host's workers name their server by the same URL (containers, several hosts)."""
+
     request_timeout_s: float = Field(600.0, gt=0)
     """How long a worker waits for one prefill; a 32K-token prompt on a busy server takes a while."""
 

@@ -1,7 +1,8 @@
 """Who is alive: the workers (extractor and ingest) and the inference servers the extractors talk to.
 
 Workers write a heartbeat every few seconds (``keys.WORKERS``, one hash field per worker); extractors also write
-the health of their inference server (``keys.INFERENCE``, one field per server URL). Readers judge a
+the health of their inference server (``keys.INFERENCE``, one field per host and server URL: on several hosts the
+same URL, ``http://inference:30000``, names a server on each). Readers judge a
 worker lost when its heartbeat is older than ``LOST_AFTER_BEATS`` intervals (``WorkerBeat.lost``); nothing here
 is ever scanned per sample. The values are the records of eaglet/shared/records.py.
 """
@@ -32,6 +33,8 @@ def beat(
     instance: str = "",
     role: WorkerRole = WorkerRole.extractor,
     stage_seconds: dict[str, float] | None = None,
+    samples_per_s: float | None = None,
+    tokens_per_s: float | None = None,
 ) -> None:
     """Records one worker's state now (the fields are those of ``WorkerBeat``)."""
     record = WorkerBeat(
@@ -49,6 +52,8 @@ def beat(
         disk_free=disk_free,
         disk_total=disk_total,
         stage_seconds=stage_seconds or {},
+        samples_per_s=samples_per_s,
+        tokens_per_s=tokens_per_s,
     )
     redis.hset(keys.WORKERS, worker, record.to_redis())
 
@@ -59,10 +64,24 @@ def forget(redis: Redis, worker: str) -> None:
 
 
 def report_inference(
-    redis: Redis, url: str, *, ok: bool, detail: str = "", model: str = "", writers: list[WriterStats] | None = None
+    redis: Redis,
+    url: str,
+    *,
+    ok: bool,
+    detail: str = "",
+    host: str = "",
+    model: str = "",
+    hidden_size: int | None = None,
+    num_layers: int | None = None,
+    aux_layer_ids: list[int] | None = None,
+    writers: list[WriterStats] | None = None,
 ) -> None:
-    """Records a server's health; ``writers``: the figures its dump writer processes published (back-pressure)."""
-    record = InferenceBeat(url=url, ok=ok, ts=time.time(), detail=detail, model=model)
+    """Records a server's health and model as the worker on ``host`` sees it; ``writers``: the figures its dump
+    writer processes published (back-pressure)."""
+    record = InferenceBeat(
+        url=url, ok=ok, ts=time.time(), detail=detail, host=host, model=model, hidden_size=hidden_size,
+        num_layers=num_layers, aux_layer_ids=aux_layer_ids,
+    )  # fmt: skip
     if writers:
         record = replace(
             record,
@@ -70,7 +89,12 @@ def report_inference(
             dump_queued_bytes=sum(w.queued_bytes for w in writers),
             dump_cap_bytes=sum(w.cap_bytes for w in writers),
         )
-    redis.hset(keys.INFERENCE, url, record.to_redis())
+    redis.hset(keys.INFERENCE, server_field(host, url), record.to_redis())
+
+
+def server_field(host: str, url: str) -> str:
+    """The field of one server in ``keys.INFERENCE``: its URL, after its host when the workers name one."""
+    return f"{host} {url}" if host else url
 
 
 def parse_workers(raw: dict[str, str]) -> dict[str, WorkerBeat]:
@@ -79,7 +103,7 @@ def parse_workers(raw: dict[str, str]) -> dict[str, WorkerBeat]:
 
 
 def parse_inference(raw: dict[str, str]) -> dict[str, InferenceBeat]:
-    """An ``HGETALL`` of ``keys.INFERENCE`` as reports by server URL."""
+    """An ``HGETALL`` of ``keys.INFERENCE`` as reports by ``server_field``."""
     return {url: InferenceBeat.from_redis(value) for url, value in raw.items()}
 
 

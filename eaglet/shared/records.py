@@ -98,6 +98,13 @@ def _number(value: Any, kind: type) -> Any:
         return None
 
 
+def _int_list(value: Any) -> list[int] | None:
+    """A JSON record's optional list of integers; None when absent or not one."""
+    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+        return None
+    return value
+
+
 def _value_type(hint: Any) -> Any:
     """``int | None`` -> ``int``: every record field is optional, so that partial records are updates."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
@@ -265,6 +272,9 @@ class WorkerBeat:
     disk_total: int | None = None
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Where its recent samples' time went, in mean seconds per stage."""
+    samples_per_s: float | None = None
+    """Samples it stored per second over its last minute: summed per inference server in the status."""
+    tokens_per_s: float | None = None
 
     def lost(self, now: float, lost_after_s: float) -> bool:
         """No heartbeat for ``lost_after_s``: the worker died or hangs. One that stopped cleanly is not lost."""
@@ -291,6 +301,8 @@ class WorkerBeat:
             disk_free=raw.get("disk_free"),
             disk_total=raw.get("disk_total"),
             stage_seconds={str(k): float(v) for k, v in (raw.get("stage_seconds") or {}).items()},
+            samples_per_s=_number(raw.get("samples_per_s"), float),
+            tokens_per_s=_number(raw.get("tokens_per_s"), float),
         )
 
 
@@ -302,7 +314,14 @@ class InferenceBeat:
     ok: bool
     ts: float
     detail: str = ""
+    host: str = ""
+    """The host of the workers that report it (``EAGLET_HOST_NAME``): one URL may name a server on every host."""
     model: str = ""
+    """The model the server says it serves (its path's last part)."""
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    aux_layer_ids: list[int] | None = None
+    """The layers it captures, from the server, else from the newest dump its workers stored."""
     dump_wait_fraction: float | None = None
     """Share of the recent time the server's forwards waited for its dump writer (the worst writer process):
     back-pressure from the dump folder (eaglet/shared/dumpwriter.py). None: no writer figures seen."""
@@ -320,7 +339,11 @@ class InferenceBeat:
             ok=bool(raw.get("ok")),
             ts=float(raw.get("ts") or 0),
             detail=str(raw.get("detail") or ""),
+            host=str(raw.get("host") or ""),
             model=str(raw.get("model") or ""),
+            hidden_size=_number(raw.get("hidden_size"), int),
+            num_layers=_number(raw.get("num_layers"), int),
+            aux_layer_ids=_int_list(raw.get("aux_layer_ids")),
             dump_wait_fraction=_number(raw.get("dump_wait_fraction"), float),
             dump_queued_bytes=_number(raw.get("dump_queued_bytes"), int),
             dump_cap_bytes=_number(raw.get("dump_cap_bytes"), int),

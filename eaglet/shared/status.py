@@ -188,11 +188,18 @@ class WorkerStatus(BaseModel):
 
 class InferenceStatus(BaseModel):
     url: str
+    host: str = Field("", description="the host of the workers that use it (EAGLET_HOST_NAME)")
     ok: bool
     healthy: bool = Field(description="ok, and reported within the lost-after interval")
     detail: str
     model: str
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    aux_layer_ids: list[int] | None = Field(None, description="the layers it captures")
     seconds_since_report: float
+    workers: int = Field(0, description="live extractor workers that use it")
+    samples_per_s: float = Field(0.0, description="samples its live workers stored per second, over their last minute")
+    tokens_per_s: float = 0.0
     dump_backpressure: float | None = Field(
         None, description="share of the recent time the server's forwards waited for its dump writer (0-1)"
     )
@@ -312,16 +319,24 @@ def _cluster(
     rows = [(beat, max(0.0, now - beat.ts), beat.lost(now, config.lost_after_s), name)
             for name, beat in sorted(parse_workers(workers).items())]  # fmt: skip
     servers = []
-    for url, health in sorted(parse_inference(inference).items()):
+    for health in sorted(parse_inference(inference).values(), key=lambda h: (h.host, h.url)):
         age = max(0.0, now - health.ts)
+        users = [b for b, _, lost, _ in rows if not lost and (b.host, b.inference_url) == (health.host, health.url)]
         servers.append(
             InferenceStatus(
-                url=url,
+                url=health.url,
+                host=health.host,
                 ok=health.ok,
                 healthy=health.ok and age <= config.lost_after_s,
                 detail=health.detail,
                 model=health.model,
+                hidden_size=health.hidden_size,
+                num_layers=health.num_layers,
+                aux_layer_ids=health.aux_layer_ids,
                 seconds_since_report=age,
+                workers=len(users),
+                samples_per_s=sum(b.samples_per_s or 0.0 for b in users),
+                tokens_per_s=sum(b.tokens_per_s or 0.0 for b in users),
                 dump_backpressure=health.dump_wait_fraction,
                 dump_queued_bytes=health.dump_queued_bytes,
                 dump_cap_bytes=health.dump_cap_bytes,

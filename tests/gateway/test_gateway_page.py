@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eaglet.shared import keys
-from eaglet.shared.heartbeats import WorkerState, beat
+from eaglet.shared.heartbeats import WorkerState, beat, report_inference
 from eaglet.shared.records import TrainProgress, WorkerBeat
 from eaglet.shared.runstate import RunState, Stage
 
@@ -106,7 +106,10 @@ def seeded(redis):
     state.update_train(TrainProgress(step=250, total_steps=1000, loss=1.25, updated_at=now))
     beat(redis, "w-live", state=WorkerState.busy, host="h1", pid=1, inference_url="http://inf:1", run="demo-run",
          sample="s60", disk_free=5 * 10**11, disk_total=10**12,
-         stage_seconds={"prefill": 1.25, "dump_wait": 0.0, "check": 0.02, "store": 0.31})  # fmt: skip
+         stage_seconds={"prefill": 1.25, "dump_wait": 0.0, "check": 0.02, "store": 0.31},
+         samples_per_s=2.5, tokens_per_s=1250.0)  # fmt: skip
+    report_inference(redis, "http://inf:1", ok=True, host="h1", model="SmolLM2-135M-Instruct", hidden_size=576,
+                     num_layers=30, aux_layer_ids=[2, 15, 27])  # fmt: skip
     gone = WorkerBeat(worker="w-gone", state=WorkerState.busy, ts=1, run="demo-run", sample="s61")
     redis.hset(keys.WORKERS, "w-gone", gone.to_redis())
     return state
@@ -126,6 +129,10 @@ def test_page_shows_progress_rates_errors_workers_and_alerts(start_gateway, seed
     assert "<b>dump of s58</b>: 3 tokens, expected 500" in text  # shown as text, not markup
     assert "lost (busy)" in text and "w-live" in text and "500.0 GB free of 1.0 TB" in text
     assert "1.25 / 0.02 / 0.31" in text  # where w-live's time goes: mostly waiting on the server
+    # The servers table: the host, the model as the server named it, its shape and captured layers, its rate.
+    assert "SmolLM2-135M-Instruct · hidden 576 · 30 layers · captures [2, 15, 27]" in text
+    assert "1,250 tok/s · 2.5 samples/s · 1 worker(s)" in text
+    assert {a.get("data-server") for a in page.attrs} >= {"h1 http://inf:1"}
     assert {a.get("data-kind") for a in page.attrs} >= {"workers_lost", "error_rate"}
 
     shot = tmp_path / "page.png"

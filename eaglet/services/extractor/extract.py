@@ -60,7 +60,9 @@ class Extractor:
     backoff_s: tuple[float, ...] = (1, 2, 5, 10, 30, 60)
     max_transient_s: float = 3600.0
     on_state: Callable[[str, str, str, str], None] | None = None  # (state, run, sample, detail) for the heartbeat
-    on_timings: Callable[[dict[str, float]], None] | None = None  # seconds per stage of each stored sample
+    on_stored: Callable[[int, dict[str, float]], None] | None = None  # tokens, seconds per stage of a stored sample
+    captured: tuple[int, list[int]] | None = None
+    """Hidden size and captured layers of the newest dump checked: what the server captures, as it wrote it."""
     _samples: dict[str, SampleSet] = field(default_factory=dict)
     _meta: dict[str, RunMeta] = field(default_factory=dict)
     _layers: dict[str, list[int]] = field(default_factory=dict)
@@ -110,8 +112,8 @@ class Extractor:
                 log.warning("%s: sample %s attempt %d rejected: %s", self.worker, sample.sample_id, attempt, e)
                 continue
             state.mark_done(sample.index, len(sample.input_ids), nbytes)
-            if self.on_timings is not None:
-                self.on_timings(timings)
+            if self.on_stored is not None:
+                self.on_stored(len(sample.input_ids), timings)
             return "done (" + ", ".join(f"{stage} {seconds:.3f}s" for stage, seconds in timings.items()) + ")"
 
     def _attempt(self, state: RunState, sample: Sample, path: Path, attempt: int, timings: dict[str, float]) -> int:
@@ -139,6 +141,7 @@ class Extractor:
                 raise DumpInvalid(f"dump {rid}: storage {dump.metadata.get('storage')!r}, but this worker asked for "
                                   f"{FP8_ENCODING if self.server_encodes_fp8 else 'full width'}")  # fmt: skip
             self._check_layers(state, sample, dump, rid)
+            self.captured = (dump.hidden_states.shape[-1], dump.aux_layer_ids)
             lap("check")
             tensors = {
                 "input_ids": torch.from_numpy(sample.input_ids),

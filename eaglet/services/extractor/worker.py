@@ -14,7 +14,9 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import torch
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 1.0
 REDIS_BACKOFF_S = (1, 2, 5)
 STAGE_EMA = 0.1  # weight of the newest sample in the stage averages: about the last 20 samples count
+RATE_WINDOW_S = 60.0  # the worker's samples/s and tokens/s are taken over its last minute
 
 
 @dataclass
@@ -55,10 +58,24 @@ class Status:
     def set(self, state: str, run: str, sample: str, detail: str) -> None:
         self.state, self.run, self.sample, self.detail = state, run, sample, detail
 
-    def add_timings(self, timings: dict[str, float]) -> None:
+    started: float = field(default_factory=time.monotonic)
+    stored: deque[tuple[float, int]] = field(default_factory=deque)
+    """(monotonic s, tokens) of each sample stored in the last RATE_WINDOW_S: a minute of samples, bounded."""
+
+    def add_stored(self, tokens: int, timings: dict[str, float]) -> None:
         old = self.stage_seconds
         # A new dict each time, swapped in whole: the heartbeat thread reads it without a lock.
         self.stage_seconds = {k: v if k not in old else old[k] + STAGE_EMA * (v - old[k]) for k, v in timings.items()}
+        self.stored.append((time.monotonic(), tokens))  # deque appends and pops are atomic: no lock either
+
+    def rates(self) -> tuple[float, float]:
+        """Samples/s and tokens/s stored over the last RATE_WINDOW_S (or since the worker started, if later)."""
+        now = time.monotonic()
+        while self.stored and self.stored[0][0] < now - RATE_WINDOW_S:
+            self.stored.popleft()
+        span = max(min(RATE_WINDOW_S, now - self.started), 1e-9)
+        recent = list(self.stored)
+        return len(recent) / span, sum(tokens for _, tokens in recent) / span
 
 
 def active_runs(redis: Redis) -> list[str]:
@@ -98,22 +115,25 @@ def heartbeat_loop(
     stop: threading.Event,
     instance: str = "",
     reaper: Reaper | None = None,
+    extractor: Extractor | None = None,
 ) -> None:
     """Beats, and sweeps for jobs of dead workers: here, not between jobs, since a busy worker's RQ loop
-    may not come back for a thousand jobs."""
+    may not come back for a thousand jobs. ``extractor``: its newest dump tells what the server captures."""
     # A probe slower than a heartbeat is an unhealthy server, and must not make this worker's beats late.
     http = httpx.Client(base_url=settings.inference_url, timeout=min(5.0, settings.heartbeat_interval_s))
     # Others' heartbeats are judged only once Redis has answered for a while: right after an outage
     # every heartbeat is old, and the workers are not dead.
     redis_ok_since = time.monotonic()
+    host = settings.host_name or socket.gethostname()
     while not stop.is_set():
         try:
             usage = shutil.disk_usage(settings.data_dir)
+            samples_per_s, tokens_per_s = status.rates()
             heartbeats.beat(
                 redis,
                 name,
                 state=WorkerState(status.state),
-                host=socket.gethostname(),
+                host=host,
                 pid=os.getpid(),
                 inference_url=settings.inference_url,
                 run=status.run,
@@ -123,9 +143,14 @@ def heartbeat_loop(
                 disk_total=usage.total,
                 instance=instance,
                 stage_seconds=status.stage_seconds,
+                samples_per_s=samples_per_s,
+                tokens_per_s=tokens_per_s,
             )
             writers = read_writer_stats(settings.dump_dir, max_age_s=settings.lost_after_s)
-            heartbeats.report_inference(redis, settings.inference_url, **_probe(http), writers=writers)
+            captured = extractor.captured if extractor is not None else None
+            heartbeats.report_inference(
+                redis, settings.inference_url, host=host, **_probe(http, captured), writers=writers
+            )
             if reaper is not None and time.monotonic() - redis_ok_since > reaper.lost_after_s:
                 swept = reaper.sweep(active_runs(redis))
                 if any(swept.values()):
@@ -136,12 +161,36 @@ def heartbeat_loop(
         stop.wait(settings.heartbeat_interval_s)
 
 
-def _probe(http: httpx.Client) -> dict:
+def _probe(http: httpx.Client, captured: tuple[int, list[int]] | None = None) -> dict:
+    """The server's health and model. Its model comes from ``/get_model_info`` (SGLang's names it by path; the
+    reference server adds hidden size, layers and captured layer ids); what it lacks, from the newest dump."""
     try:
         r = http.get("/health")
-        return {"ok": r.status_code == 200, "detail": f"HTTP {r.status_code}"}
+        health = {"ok": r.status_code == 200, "detail": f"HTTP {r.status_code}"}
+        if not health["ok"]:
+            return health
+        info = http.get("/get_model_info")
+        model = info.json() if info.status_code == 200 else {}
     except httpx.HTTPError as e:
         return {"ok": False, "detail": f"{type(e).__name__}: {e}"}
+    except ValueError:  # a body that is not JSON: healthy, model unknown
+        model = {}
+    hidden_size, layers = captured or (None, None)
+    return {
+        **health,
+        "model": Path(str(model.get("model_path") or "")).name,
+        "hidden_size": _int_or(model.get("hidden_size"), hidden_size),
+        "num_layers": _int_or(model.get("num_layers"), None),
+        "aux_layer_ids": model.get("aux_layer_ids") if _is_int_list(model.get("aux_layer_ids")) else layers,
+    }
+
+
+def _int_or(value: object, default: int | None) -> int | None:
+    return value if isinstance(value, int) else default
+
+
+def _is_int_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) for v in value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = Settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name = args.name or f"{socket.gethostname()}:{os.getpid()}"
+    name = args.name or f"{settings.host_name or socket.gethostname()}:{os.getpid()}"
     instance = uuid.uuid4().hex[:12]  # this process; the name may be reused by the next one
     # RQ stores pickled bytes; run state is text. Two clients on the same server.
     rq_redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True)
@@ -173,14 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         max_attempts=settings.max_attempts,
         store_dtype=settings.store_dtype,
         on_state=status.set,
-        on_timings=status.add_timings,
+        on_stored=status.add_stored,
     )
     jobs.configure(extractor)
     reaper = make_reaper(extractor, rq_redis, settings)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     beat = threading.Thread(
-        target=heartbeat_loop, args=(redis, settings, name, status, stop, instance, reaper), daemon=True
+        target=heartbeat_loop, args=(redis, settings, name, status, stop, instance, reaper, extractor), daemon=True
     )
     beat.start()
     log.info("%s: extracting for %s, dumps in %s", name, settings.inference_url, settings.dump_dir)

@@ -92,24 +92,27 @@ def _cluster_metrics(report: StatusReport) -> Iterator[Metric]:
         lost.add_metric([w.name], float(w.lost))
         for stage, seconds in w.stage_seconds.items():
             stages.add_metric([w.name, stage], seconds)
-    up = _gauge("inference_up", "1 if the inference server answered lately", ["url"])
+    server = ["host", "url"]  # on several hosts one URL names a server on each
+    up = _gauge("inference_up", "1 if the inference server answered lately", server)
     pressure = _gauge("inference_dump_backpressure", "Share of the recent time the server's forwards waited "
-                      "for its dump writer", ["url"])  # fmt: skip
+                      "for its dump writer", server)  # fmt: skip
     queued = _gauge(
-        "inference_dump_queued_bytes", "Bytes of dumps the server holds waiting for its dump folder", ["url"]
+        "inference_dump_queued_bytes", "Bytes of dumps the server holds waiting for its dump folder", server
     )
+    rate = _gauge("inference_extraction_tokens_per_second", "Tokens its live workers stored per second", server)
     for s in c.inference:
-        up.add_metric([s.url], float(s.healthy))
+        up.add_metric([s.host, s.url], float(s.healthy))
+        rate.add_metric([s.host, s.url], s.tokens_per_s)
         if s.dump_backpressure is not None:
-            pressure.add_metric([s.url], s.dump_backpressure)
+            pressure.add_metric([s.host, s.url], s.dump_backpressure)
         if s.dump_queued_bytes is not None:
-            queued.add_metric([s.url], s.dump_queued_bytes)
+            queued.add_metric([s.host, s.url], s.dump_queued_bytes)
     workers = _gauge("workers", "Workers by liveness", ["liveness"])
     workers.add_metric(["live"], c.workers_live)
     workers.add_metric(["lost"], c.workers_lost)
     runs = _gauge("runs", "Runs registered", [])
     runs.add_metric([], report.runs_total)
-    yield from (beat, lost, stages, up, pressure, queued, workers, runs)
+    yield from (beat, lost, stages, up, pressure, queued, rate, workers, runs)
     if c.disk_free is not None:
         yield GaugeMetricFamily("eaglet_disk_free_bytes", "Free bytes on the data volume", value=c.disk_free)
     if c.disk_total is not None:
