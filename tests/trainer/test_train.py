@@ -15,6 +15,7 @@ from eaglet.services.trainer.checkpoint import list_states
 from eaglet.services.trainer.train import Dist, TrainConfig, train
 from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared.series import read_series
 from eaglet.shared.status import StatusConfig, read_run
 from eaglet.shared.store import checkpoints_dir, drafter_dir
 from tests.trainer.fixtures import make_run
@@ -50,6 +51,13 @@ def test_loss_decreases_and_drafter_is_written(redis, tmp_path, tiny_model_dir):
     assert len(progress.acc) == 3 and progress.tokens_per_s > 0
     assert progress.last_checkpoint.endswith(".pt") and progress.heldout_loss is not None
     assert (drafter_dir(tmp_path, "r1") / "model.safetensors").is_file()
+    # The page's training series: every report's figures by step, the last one the record's own.
+    series = read_series(redis, "r1").training
+    steps = [p.step for p in series.points]
+    assert steps == sorted({*range(5, final["step"] + 1, 5), final["step"]}) and series.closed
+    last, loss_at = series.points[-1], curve(tmp_path, "r1")
+    assert (last.loss, last.acc, last.tokens_per_s) == (progress.loss, progress.acc, progress.tokens_per_s)
+    assert all(p.loss == loss_at[p.step] and len(p.acc) == 3 for p in series.points)
 
 
 def test_trainer_waits_for_the_flag(redis, tmp_path, tiny_model_dir, monkeypatch):

@@ -2,9 +2,11 @@
 ``python -m eaglet.services.gateway.main``; settings come from ``EAGLET_*``. Stateless: run as many as you like."""
 
 import argparse
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import uvicorn
 from fastapi import FastAPI
@@ -12,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from redis import Redis
 
 from eaglet.services.gateway.collector import StatusCollector
+from eaglet.services.gateway.recorder import Recorder
 from eaglet.services.gateway.routers import metrics, page, runs, status
 from eaglet.services.gateway.settings import GatewaySettings
 from eaglet.shared.status import disk_usage
@@ -24,9 +27,15 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     redis = Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
     queue_redis = Redis.from_url(settings.redis_url, health_check_interval=30)  # RQ's jobs are pickled bytes
 
+    config, local_disk = settings.status_config(), partial(disk_usage, settings.data_dir)
+    recorder = Recorder(redis, config, max_runs=settings.status_max_runs,
+                        interval_s=settings.series_interval_s, local_disk=local_disk)  # fmt: skip
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        recording = asyncio.create_task(recorder.run_forever())
         yield
+        recording.cancel()
         redis.close()
         queue_redis.close()
 
@@ -39,11 +48,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.redis = redis
     app.state.queue_redis = queue_redis
-    app.state.status_config = settings.status_config()
+    app.state.status_config = config
     app.state.metrics = CollectorRegistry(auto_describe=False)
-    app.state.metrics.register(
-        StatusCollector(redis, app.state.status_config, settings.status_max_runs, lambda: disk_usage(settings.data_dir))
-    )
+    app.state.metrics.register(StatusCollector(redis, app.state.status_config, settings.status_max_runs, local_disk))
     for module in (page, status, runs, metrics):
         app.include_router(module.router)
     return app

@@ -21,6 +21,10 @@ class GatewaySettings(StatusSettings):
     dataset_roots: Annotated[list[Path], NoDecode] = [Path("var/datasets")]
     """``POST /runs`` accepts only datasets under one of these folders (comma-separated in the environment)."""
 
+    series_interval_s: float = Field(2.0, gt=0)
+    """Each run's figures are recorded this often for the page's charts; the interval doubles as a run's series
+    fills, so a series keeps its fixed number of points whatever the run's length (eaglet/shared/series.py)."""
+
     read_requires_token: bool = False
     """Ask for the bearer token on the GET endpoints too (the page, /status, /runs/{id}, /metrics)."""
 

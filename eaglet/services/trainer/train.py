@@ -13,6 +13,8 @@ Progress goes to the run's ``TrainProgress`` record (the Redis hash ``RunKeys(ru
     train_samples, heldout_samples, draft_vocab_size, ttt_steps, world_size, device
     started_at, updated_at, finished_at (unix s)
 
+The same loss, accuracy and tokens/s of each report also go to the run's capped training series (by step, for the
+live page's charts: eaglet/shared/series.py).
 Whether the trainer waits, trains, evaluates, is done or failed (and why) is the run's stage, set by the entry point.
 Every step's loss, accuracy, learning rate and gradient norm are also appended to
 ``<run>/checkpoints/metrics.jsonl`` (the loss curve) and, with throughput and held-out figures, written as
@@ -44,6 +46,7 @@ from eaglet.shared.keys import RunKeys
 from eaglet.shared.records import RunMeta, TrainProgress
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
+from eaglet.shared.series import TrainPoint, train_series
 from eaglet.shared.store import checkpoints_dir, drafter_dir, read_metadata, sample_path, samples_dir
 from eaglet.shared.target import model_config
 
@@ -280,6 +283,7 @@ class Reporter:
 
     def __init__(self, state: RunState | None, folder: Path, curves_folder: Path, enabled: bool):
         self.state, self.enabled = state, enabled
+        self.series = train_series(state.redis, state.run_id) if state is not None else None
         self.metrics = folder / "metrics.jsonl"
         self.curves = Curves(curves_folder) if enabled else None
         self.bar: Progress | None = None
@@ -288,6 +292,11 @@ class Reporter:
     def set(self, progress: TrainProgress) -> None:
         if self.enabled and self.state is not None:
             self.state.update_train(replace(progress, updated_at=time.time()))
+
+    def point(self, point: TrainPoint, *, last: bool) -> None:
+        """The report's figures into the run's capped training series (the page's charts); ``last``: the final step."""
+        if self.enabled and self.series is not None:
+            self.series.append(point.step, point, close=last)
 
     def start_bar(self, total: int, done: int) -> None:
         if self.enabled and sys.stderr.isatty():
@@ -528,6 +537,8 @@ def report(s: Session) -> None:
         step=s.step, epoch=s.epoch, lr=lr, tokens_per_s=round(tokens_per_s, 1), eta_s=round(eta), **s.last
     )
     s.rep.set(figures)
+    point = TrainPoint(step=s.step, t=now, loss=s.last["loss"], acc=s.last["acc"], tokens_per_s=figures.tokens_per_s)
+    s.rep.point(point, last=s.step == s.total)
     s.rep.throughput(s.step, figures.tokens_per_s)
     log.info(
         "run %s: step %d/%d loss %.4f acc %s %.0f tok/s",

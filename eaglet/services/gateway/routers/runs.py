@@ -14,6 +14,7 @@ from eaglet.services.gateway.deps import (
     TokenDep,
 )
 from eaglet.services.ingest.runs import RunExists
+from eaglet.shared.series import RunSeries, read_series
 from eaglet.shared.status import RunReport, read_run
 
 router = APIRouter(prefix="/runs", tags=["runs"])
@@ -30,6 +31,17 @@ def get_run(run_id: RunIdDep, redis: RedisDep, config: StatusConfigDep, disk: Lo
     if report is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
     return Response(report.model_dump_json(), media_type="application/json")  # validated once, as in /status
+
+
+@router.get("/{run_id}/series", response_model=RunSeries, dependencies=[ReadAccessDep],
+            summary="Figures of one run over time")  # fmt: skip
+def get_series(run_id: RunIdDep, redis: RedisDep) -> Response:
+    """Extraction figures by time and training figures by step, each a capped series (at most a few hundred
+    points, spread over the whole run), and the evaluation's acceptance per draft position."""
+    series = read_series(redis, run_id)
+    if series is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+    return Response(series.model_dump_json(), media_type="application/json")
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, dependencies=[TokenDep], summary="Start a run")
