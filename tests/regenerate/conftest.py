@@ -35,9 +35,9 @@ def wait_regenerated(state: RunState, timeout: float) -> Stage:
     return state.stage()
 
 
-def start_workers(stack, settings, names: list[str]) -> None:
+def start_workers(stack, worker_settings, names: list[str]) -> None:
     for name in names:
-        stack.start(name, "eaglet.services.extractor.worker", "--name", name, env=env_of(settings))
+        stack.start(name, "eaglet.services.extractor.worker", "--name", name, env=env_of(worker_settings))
 
 
 class Greedy:

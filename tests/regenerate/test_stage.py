@@ -11,7 +11,7 @@ from eaglet.shared.records import Stage
 from eaglet.shared.runstate import RunState
 from eaglet.shared.status import read_run
 from tests.regenerate.conftest import start_run, start_workers, wait_regenerated, write_jsonl
-from tests.reliability.helpers import wait_for
+from tests.reliability.helpers import env_of, wait_for
 
 MAX_NEW = 10
 
@@ -91,7 +91,7 @@ def test_the_run_goes_on_to_ingest_and_extract_what_was_regenerated(redis, setti
     source = write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"q{i}", "prompt": f"Count to {i}."} for i in range(5)])
     with LocalStack(tmp_path / "logs") as stack:
         start_workers(stack, settings, ["w0"])
-        stack.start("ingest", "eaglet.services.ingest.worker", "--name", "ingest", env=stack_env(settings))
+        stack.start("ingest", "eaglet.services.ingest.worker", "--name", "ingest", env=env_of(settings))
         state = start_run(redis, settings.redis_url, "regen-on", source, max_tokens=MAX_NEW, batch_prompts=3)
         assert wait_regenerated(state, 120) == Stage.ingesting
         wait_for("the extraction", state.extraction_complete, 180, 0.2)
@@ -100,9 +100,3 @@ def test_the_run_goes_on_to_ingest_and_extract_what_was_regenerated(redis, setti
     assert meta.dataset == str(output_path(settings.data_dir, "regen-on"))
     assert meta.regenerate_input == str(source)
     assert RunState(redis, "regen-on").stage() == Stage.extracted
-
-
-def stack_env(settings) -> dict[str, str]:
-    from tests.reliability.helpers import env_of
-
-    return env_of(settings)
