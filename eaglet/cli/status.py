@@ -63,6 +63,13 @@ def _bar(percent: float | None) -> ProgressBar:
 def render_run(run: RunStatus) -> Panel:
     ex, st, tr = run.extraction, run.storage, run.training
     grid = Table.grid(padding=(0, 1))
+    if (rg := run.regeneration) is not None:
+        pct = f"{rg.percent:.1f} %" if rg.percent is not None else "–"
+        grid.add_row("regeneration", _bar(rg.percent), f"{rg.done:,} done, {rg.failed:,} failed of "
+                     f"{rg.total if rg.total is not None else '?'} prompts ({pct})")  # fmt: skip
+        rates = f"{rg.tokens_out_per_s:,.0f} tokens/s out, ETA {_duration(rg.eta_s)}"
+        tokens = f"tokens in {rg.tokens_in:,} / out {rg.tokens_out:,}, {rg.retries} retries"
+        grid.add_row("", f"{rg.prompts_per_s:.2f} prompts/s", f"{rates}, {tokens}")
     pct = f"{ex.percent:.1f} %" if ex.percent is not None else "–"
     grid.add_row("extraction", _bar(ex.percent), f"{ex.done:,} done, {ex.failed:,} failed of {ex.total or '?'} ({pct})")
     grid.add_row(

@@ -1,17 +1,23 @@
 """Fixtures of the regeneration tests: real Redis, the reference server on the tiny Llama, real worker processes."""
 
 import json
+import random
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+import uvicorn
+from fastapi import FastAPI, Request, Response
 from redis import Redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglet.services.ingest.runs import create_run
 from eaglet.services.regenerate.jobs import plan_run
 from eaglet.shared.records import Stage
+from eaglet.shared.redisserver import free_port
 from eaglet.shared.runoptions import RegenerateOptions, RunOptions
 from eaglet.shared.runstate import RunState
 from tests.reliability.helpers import env_of, settings, wait_for  # noqa: F401
@@ -62,5 +68,43 @@ def greedy(reference_server) -> Greedy:
     return Greedy(reference_server.model_dir)
 
 
-def elapsed(since: float) -> str:
-    return f"{time.monotonic() - since:.1f}s"
+class ChatProxy:
+    """An OpenAI-compatible endpoint in front of the reference server, that answers 429 or 500 at random
+    (``fault_rate``), as a loaded hosted API or a restarting SGLang does, and 401 without its ``key``."""
+
+    def __init__(self, upstream: str, fault_rate: float = 0.0, key: str | None = None, seed: int = 3):
+        self.upstream, self.fault_rate, self.key, self.rng = upstream, fault_rate, key, random.Random(seed)
+        self.faults = {429: 0, 500: 0}
+        self.client = httpx.AsyncClient(base_url=upstream, timeout=120)
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            if self.key is not None and request.headers.get("authorization") != f"Bearer {self.key}":
+                return Response('{"error": {"message": "invalid key"}}', status_code=401)
+            if self.rng.random() < self.fault_rate:
+                code = self.rng.choice([429, 500])
+                self.faults[code] += 1
+                headers = {"retry-after": "0"} if code == 429 else {}
+                return Response('{"error": {"message": "busy"}}', status_code=code, headers=headers)
+            upstream = await self.client.post("/v1/chat/completions", content=await request.body(),
+                                              headers={"content-type": "application/json"})  # fmt: skip
+            return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
+
+        return app
+
+    def serve(self):
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.02)
+
+        def stop() -> None:
+            server.should_exit = True
+            thread.join(10)
+
+        return f"http://127.0.0.1:{port}/v1", stop

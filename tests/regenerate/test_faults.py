@@ -4,22 +4,17 @@ random. Nothing is lost, nothing is answered twice, and ``/status`` agrees with 
 import json
 import random
 import signal
-import threading
 import time
 
-import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request, Response
 
 from eaglet.cli.stack import LocalStack
 from eaglet.services.regenerate.progress import Progress
 from eaglet.services.regenerate.results import batch_path, output_path
 from eaglet.shared.config import StatusSettings
 from eaglet.shared.records import Stage
-from eaglet.shared.redisserver import free_port
 from eaglet.shared.status import read_run
-from tests.regenerate.conftest import start_run, start_workers, wait_regenerated, write_jsonl
+from tests.regenerate.conftest import ChatProxy, start_run, start_workers, wait_regenerated, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -81,49 +76,9 @@ def test_workers_killed_mid_stage_lose_and_double_nothing(redis, settings, tmp_p
     assert any("died while regenerating it" in e for e in errors), errors  # a batch's job taken from a dead worker
 
 
-class FlakyEndpoint:
-    """An OpenAI-compatible endpoint that answers 429 or 500 at random, and forwards the rest to the reference
-    server: what a loaded hosted API or a restarting SGLang does."""
-
-    def __init__(self, upstream: str, fault_rate: float, seed: int = 3):
-        self.upstream, self.fault_rate, self.rng = upstream, fault_rate, random.Random(seed)
-        self.faults = {429: 0, 500: 0}
-        self.client = httpx.AsyncClient(base_url=upstream, timeout=120)
-
-    def app(self) -> FastAPI:
-        app = FastAPI()
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request) -> Response:
-            if self.rng.random() < self.fault_rate:
-                code = self.rng.choice([429, 500])
-                self.faults[code] += 1
-                headers = {"retry-after": "0"} if code == 429 else {}
-                return Response('{"error": {"message": "busy"}}', status_code=code, headers=headers)
-            upstream = await self.client.post("/v1/chat/completions", content=await request.body(),
-                                              headers={"content-type": "application/json"})  # fmt: skip
-            return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
-
-        return app
-
-    def serve(self):
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.02)
-
-        def stop() -> None:
-            server.should_exit = True
-            thread.join(10)
-
-        return f"http://127.0.0.1:{port}/v1", stop
-
-
 def test_an_endpoint_answering_429_and_500_is_retried_until_done(redis, settings, tmp_path, reference_server):
     n, run_id = 24, "regen-flaky"
-    flaky = FlakyEndpoint(reference_server.url, fault_rate=0.4)
+    flaky = ChatProxy(reference_server.url, fault_rate=0.4)
     endpoint, stop = flaky.serve()
     source = write_jsonl(tmp_path / "prompts.jsonl", prompts(n))
     config, polls = StatusSettings().status_config(), 0

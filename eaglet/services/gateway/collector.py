@@ -60,6 +60,15 @@ def _run_metrics(report: StatusReport) -> Iterator[Metric]:
         "acc": _gauge("train_accuracy", "Trainer accuracy", run),
         "train_tps": _gauge("train_tokens_per_second", "Trainer tokens per second", run),
         "train_eta": _gauge("train_eta_seconds", "Estimated seconds to the end of training", run),
+        "rg_done": CounterMetricFamily("eaglet_regen_prompts_done", "Prompts regenerated", labels=run),
+        "rg_failed": CounterMetricFamily("eaglet_regen_prompts_failed", "Prompts given up", labels=run),
+        "rg_retries": CounterMetricFamily("eaglet_regen_retries", "Requests tried again (429, 5xx)", labels=run),
+        "rg_in": CounterMetricFamily("eaglet_regen_tokens_in", "Prompt tokens sent to the endpoint", labels=run),
+        "rg_out": CounterMetricFamily("eaglet_regen_tokens_out", "Tokens the target wrote", labels=run),
+        "rg_total": _gauge("regen_prompts", "Prompts to regenerate", run),
+        "rg_pps": _gauge("regen_prompts_per_second", "Prompts regenerated per second, recent window", run),
+        "rg_tps": _gauge("regen_tokens_out_per_second", "Tokens written per second, recent window", run),
+        "rg_eta": _gauge("regen_eta_seconds", "Estimated seconds to the end of regeneration", run),
     }
     for r in report.runs:
         ex, st, tr, label = r.extraction, r.storage, r.training, [r.run_id]
@@ -70,6 +79,12 @@ def _run_metrics(report: StatusReport) -> Iterator[Metric]:
             "projected": st.projected_total_bytes, "step": tr.step, "steps": tr.total_steps, "loss": tr.loss,
             "acc": tr.accuracy, "train_tps": tr.tokens_per_s, "train_eta": tr.eta_s,
         }  # fmt: skip
+        if (rg := r.regeneration) is not None:
+            values |= {
+                "rg_done": rg.done, "rg_failed": rg.failed, "rg_retries": rg.retries, "rg_in": rg.tokens_in,
+                "rg_out": rg.tokens_out, "rg_total": rg.total, "rg_pps": rg.prompts_per_s,
+                "rg_tps": rg.tokens_out_per_s, "rg_eta": rg.eta_s,
+            }  # fmt: skip
         for key, value in values.items():
             if value is not None:  # an unknown figure is absent, not 0: 0 would read as a real ETA or loss
                 families[key].add_metric(label, value)
