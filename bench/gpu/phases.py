@@ -615,27 +615,34 @@ def phase_speed8b() -> None:
     pipeline_reps("speed8b", "bf16", model, n_pipe)
 
 
+def phase_bf16speed8b() -> None:
+    """More repetitions of speed8b's bf16 pipeline (``BF16_REPS``), added to its list."""
+    redis_up()
+    RESULTS.setdefault("speed8b", {})
+    pipeline_reps("speed8b", "bf16", MODELS / "l8b", int(os.environ.get("NPIPE8B", "1200")),
+                  int(os.environ.get("BF16_REPS", str(L8B_REPS))))  # fmt: skip
+
+
 def phase_fp8speed8b() -> None:
     """The fp8 pipeline at the 8B shape (the server encodes on the GPU), repeated; the GPU encoder checked
     bit for bit against the workers' CPU encoder on dumps of the same prompts."""
     R = RESULTS.setdefault("fp8speed8b", {})
     model = MODELS / "l8b"
     redis_up()
+    R["gpu_encoder_vs_cpu"] = fp8_bits_check(l8b_prompts(16, 99))  # first: a fault shows even if time runs out
+    save("fp8speed8b")
     pipeline_reps("fp8speed8b", "fp8", model, int(os.environ.get("NPIPE8B", "1200")))
-    R["gpu_encoder_vs_cpu"] = fp8_bits_check(l8b_prompts(16, 99))
     stop("s8b-plugin")
     save("fp8speed8b")
 
 
-def pipeline_reps(phase: str, store: str, model: Path, n: int) -> None:
-    """``L8B_REPS`` pipeline runs of ``n`` 2,048-token samples on one plugin server, with the scheduler's memory
-    sampled throughout."""
+def pipeline_reps(phase: str, store: str, model: Path, n: int, reps: int = L8B_REPS) -> None:
+    """``reps`` pipeline runs of ``n`` 2,048-token samples on one plugin server, with the scheduler's memory
+    sampled throughout; added to the phase's list."""
     R = RESULTS[phase]
-    if "s8b-plugin" not in PROCS:
-        R["plugin_startup_s"] = sglang("s8b-plugin", model, plugin=True, extra=L8B_EXTRA)
-        bench(SGL_PORT, l8b_prompts(32, 1), L8B_CONCURRENCY, "eaglet:warm:s:", True)
-    R["pipeline"] = []
-    for rep in range(L8B_REPS):
+    plugin_server(model)
+    R.setdefault("pipeline", [])
+    for rep in range(len(R["pipeline"]), len(R["pipeline"]) + reps):
         ds = ROOT / f"l8b-{rep}.jsonl"
         pretokenized(ds, [L8B_LENGTH] * n, 49152, seed=20 + rep)
         with MemorySampler(PROCS["s8b-plugin"].pid) as memory:
@@ -689,19 +696,28 @@ class MemorySampler:
                 for k, v in self.peaks.items() if v > 1e9}  # fmt: skip
 
 
+def plugin_server(model: Path) -> None:
+    if "s8b-plugin" not in PROCS:
+        RESULTS["plugin8b_startup_s"] = sglang("s8b-plugin", model, plugin=True, extra=L8B_EXTRA)
+        bench(SGL_PORT, l8b_prompts(32, 1), L8B_CONCURRENCY, "eaglet:warm:s:", True)
+
+
 def fp8_bits_check(prompts: list[list[int]]) -> dict:
-    """The same prompts dumped full width and fp8-encoded by the plugin on the GPU: the fp8 dumps must hold
-    exactly what the workers' CPU encoder makes of the full-width ones."""
+    """The GPU encoder against the workers' CPU encoder, bit for bit: on the same tensors (the full-width dumps
+    moved to the GPU), and through the plugin (the same prompt dumped full width, again full width to see
+    whether two forwards agree at all, and fp8-encoded on the GPU)."""
     import torch
 
     from eaglet.shared.dumpfile import read_dump
-    from eaglet.shared.store import encode_fp8
+    from eaglet.shared.store import FP8_DEVICE_BLOCK_BYTES, encode_fp8
 
+    plugin_server(MODELS / "l8b")
     client = httpx.Client(base_url=f"http://127.0.0.1:{SGL_PORT}", timeout=600)
-    equal, checked = 0, 0
+    same_tensor = equal = checked = forwards_agree = 0
     for i, ids in enumerate(prompts):
         paths = []
-        for kind, params in (("w", {}), ("e", {"custom_params": {"eaglet_dump": "fp8"}})):
+        kinds = (("w", {}), ("v", {}), ("e", {"custom_params": {"eaglet_dump": "fp8"}}))
+        for kind, params in kinds:
             rid = f"eaglet:bits:{kind}{i}:0"
             sp = {"max_new_tokens": 1, "temperature": 0, **params}
             client.post("/generate", json={"input_ids": ids, "rid": rid, "sampling_params": sp}).raise_for_status()
@@ -710,15 +726,25 @@ def fp8_bits_check(prompts: list[list[int]]) -> dict:
             while not path.exists() and time.time() - t < 60:
                 time.sleep(0.01)
             paths.append(path)
-        wide, enc = read_dump(paths[0]), read_dump(paths[1])
+        wide, again, enc = (read_dump(p) for p in paths)
         for name in ("hidden_states", "aux_hidden_states"):
-            values, scale = encode_fp8(getattr(wide, name))
+            x = getattr(wide, name)
+            values, scale = encode_fp8(x)
+            gpu_values, gpu_scale = encode_fp8(x.cuda(), FP8_DEVICE_BLOCK_BYTES)
             checked += 1
+            same_tensor += bool(torch.equal(gpu_values.cpu().view(torch.uint8), values.view(torch.uint8))
+                                and torch.equal(gpu_scale.cpu(), scale))  # fmt: skip
+            forwards_agree += bool(torch.equal(x, getattr(again, name)))
             equal += bool(torch.equal(getattr(enc, name).view(torch.uint8), values.view(torch.uint8))
                           and torch.equal(enc.scales[f"{name}_scale"], scale))  # fmt: skip
         for path in paths:
             path.unlink()
-    return {"tensors_checked": checked, "bit_identical": equal}
+    return {
+        "tensors_checked": checked,
+        "gpu_vs_cpu_same_tensor_identical": same_tensor,
+        "two_full_width_forwards_identical": forwards_agree,
+        "plugin_fp8_dump_vs_cpu_encoding_of_full_width_dump_identical": equal,
+    }
 
 
 def disk_probe() -> dict:
@@ -906,6 +932,7 @@ ESTIMATE_S = {
     "real": 180,
     "speed8b": 480,
     "fp8speed8b": 250,
+    "bf16speed8b": 200,
     "ref8b": 150,
     "train8b": 120,
     "drafter": 200,
@@ -929,6 +956,7 @@ PHASES = {
     "real": phase_real,
     "speed8b": phase_speed8b,
     "fp8speed8b": phase_fp8speed8b,
+    "bf16speed8b": phase_bf16speed8b,
     "ref8b": phase_ref8b,
     "train8b": phase_train8b,
     "drafter": phase_drafter,
@@ -936,6 +964,9 @@ PHASES = {
 
 
 def main() -> int:
+    # A call's time limit ends it with SIGTERM: leave through the finally blocks, which save the results and stop
+    # every server and worker (left running, they would serve and steal the next call's work).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     state = ROOT / "gpubench-results.json"
     if state.exists():
         RESULTS.update(json.loads(state.read_text()))

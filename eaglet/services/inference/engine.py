@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglet.shared.layers import default_layer_ids
-from eaglet.shared.store import encode_fp8
+from eaglet.shared.store import FP8_BLOCK_BYTES, FP8_DEVICE_BLOCK_BYTES, encode_fp8
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ class ReferenceEngine:
         out = []
         for i, n in enumerate(lengths):
             if fp8 and fp8[i]:
-                (h, h_scale), (a, a_scale) = encode_fp8(final[i, :n]), encode_fp8(aux[i, :n])
+                block = FP8_DEVICE_BLOCK_BYTES if self.device.type == "cuda" else FP8_BLOCK_BYTES
+                (h, h_scale), (a, a_scale) = encode_fp8(final[i, :n], block), encode_fp8(aux[i, :n], block)
                 out.append(Prefill(h.cpu(), a.cpu(), next_tokens[i], (h_scale.cpu(), a_scale.cpu())))
             else:
                 out.append(Prefill(final[i, :n].cpu(), aux[i, :n].cpu(), next_tokens[i]))

@@ -5,8 +5,9 @@
 
 The server runs as a child process, in a process group of its own. With ``EAGLET_RELEASE_GPUS_WHEN_DONE``
 set, the supervisor watches the runs in Redis: once some run's extraction is complete and waits for the
-GPUs, and no run is being ingested or extracted any more, it stops the server, sets the meta field
-``gpus_released`` (unix s) on each waiting run, and exits 0. The trainer (``--wait-for-gpus``) starts
+GPUs, and no run is being ingested or extracted any more, it stops the server, records on each waiting run the
+GPUs the server could use (``released_gpus``, see eaglet/shared/gpus.py) and sets the meta field
+``gpus_released`` (unix s), and exits 0. The trainer (``--wait-for-gpus``) starts
 then. Exit 0 is the signal to stay down: the container's restart policy is ``on-failure``. A server
 that dies by itself makes the supervisor exit non-zero, so the restart policy brings both back.
 """
@@ -26,6 +27,7 @@ from redis.exceptions import RedisError
 
 from eaglet.shared import keys
 from eaglet.shared.config import Settings
+from eaglet.shared.gpus import visible_gpus
 from eaglet.shared.records import ACTIVE_STAGES
 from eaglet.shared.runstate import RunState, Stage
 
@@ -54,10 +56,10 @@ def runs_to_release(redis: Redis) -> list[str]:
     return waiting
 
 
-def release(redis: Redis, run_ids: list[str], now: float) -> None:
+def release(redis: Redis, run_ids: list[str], now: float, gpus: list[str]) -> None:
     for run_id in run_ids:
-        RunState(redis, run_id).release_gpus(now)
-        log.info("run %s: GPUs released for training", run_id)
+        RunState(redis, run_id).release_gpus(now, gpus)
+        log.info("run %s: GPUs %s released for training", run_id, ",".join(gpus) or "(none)")
 
 
 def stop(proc: subprocess.Popen, timeout: float) -> int:
@@ -73,7 +75,14 @@ def stop(proc: subprocess.Popen, timeout: float) -> int:
     return proc.returncode
 
 
-def supervise(proc: subprocess.Popen, redis: Redis | None, settings: ReleaseSettings, stopping: threading.Event) -> int:
+def supervise(
+    proc: subprocess.Popen,
+    redis: Redis | None,
+    settings: ReleaseSettings,
+    stopping: threading.Event,
+    gpus: list[str] | None = None,
+) -> int:
+    """Runs until the server exits, the supervisor is stopped, or the GPUs (``gpus``: the server's) are released."""
     while True:
         if stopping.wait(settings.release_poll_s):
             return stop(proc, settings.release_stop_timeout_s)  # docker stop: the server's exit code is ours
@@ -90,7 +99,7 @@ def supervise(proc: subprocess.Popen, redis: Redis | None, settings: ReleaseSett
         if run_ids:
             log.info("extraction is over (%s waiting): stopping the server to free its GPUs", ", ".join(run_ids))
             stop(proc, settings.release_stop_timeout_s)
-            release(redis, run_ids, time.time())
+            release(redis, run_ids, time.time(), gpus or [])
             return 0
 
 
@@ -106,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
+    gpus = visible_gpus(os.environ) if redis else []  # the server inherits this environment, and these GPUs
     proc = subprocess.Popen(command, start_new_session=True)
-    log.info("server pid %d: %s (GPU release %s)", proc.pid, " ".join(command), "on" if redis else "off")
-    return supervise(proc, redis, settings, stopping)
+    log.info("server pid %d: %s (GPU release %s)", proc.pid, " ".join(command),
+             f"on, GPUs {','.join(gpus) or '(none)'}" if redis else "off")  # fmt: skip
+    return supervise(proc, redis, settings, stopping, gpus)
 
 
 if __name__ == "__main__":

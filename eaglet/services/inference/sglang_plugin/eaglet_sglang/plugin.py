@@ -27,7 +27,7 @@ from eaglet.shared.dumpfile import DUMP_ENCODING_PARAM, FP8_ENCODING
 from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES, DEFAULT_THREADS, DumpWriter
 from eaglet.shared.ids import is_eaglet_rid
 from eaglet.shared.layers import default_layer_ids, layer_ids_problem, sglang_arg_ids
-from eaglet.shared.store import encode_fp8
+from eaglet.shared.store import FP8_DEVICE_BLOCK_BYTES, encode_fp8
 from eaglet_sglang import versions
 from eaglet_sglang.collector import Collector, Rows, plan_rows
 from eaglet_sglang.writer import DumpJob, HostChunk, copy_rows, record_event
@@ -205,7 +205,8 @@ class DumpPlugin:
         encoded = None
         if any(r.rid in snapshot.fp8 for r in snapshot.rows):
             # On the device, before the copy: half the bytes through PCIe, pinned memory, the dump and the disk.
-            (aux_fp8, aux_scale), (final_fp8, final_scale) = encode_fp8(aux[:needed]), encode_fp8(final[:needed])
+            (aux_fp8, aux_scale) = encode_fp8(aux[:needed], FP8_DEVICE_BLOCK_BYTES)
+            (final_fp8, final_scale) = encode_fp8(final[:needed], FP8_DEVICE_BLOCK_BYTES)
             encoded = (aux_fp8, final_fp8, aux_scale, final_scale)
         copies = []
         for r in snapshot.rows:
