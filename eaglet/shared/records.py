@@ -179,6 +179,8 @@ class RunMeta(HashRecord):
     """When the last sample got its outcome; set once, by the mark that gave it."""
     gpus_released: float | None = None
     """When the inference service stopped, leaving its GPUs to the trainer."""
+    released_gpus: list[str] | None = None
+    """The GPUs the stopped server could use, in the host's numbering (eaglet/shared/gpus.py); empty: none."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

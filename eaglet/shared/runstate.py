@@ -257,8 +257,11 @@ class RunState:
         run had finished already."""
         return self._move(Stage.cancelled, UNFINISHED)
 
-    def release_gpus(self, now: float | None = None) -> None:
-        """The inference service stopped: the trainer waiting for its GPUs (``wait_for_gpus``) may start."""
+    def release_gpus(self, now: float | None = None, gpus: list[str] | None = None) -> None:
+        """The inference service stopped, freeing ``gpus``: the trainer waiting for them (``wait_for_gpus``) may
+        start. The GPUs are recorded before the flag the trainer waits for."""
+        for name, value in RunMeta(released_gpus=gpus).to_redis().items():
+            self.redis.hsetnx(self.keys.meta, name, value)
         self.redis.hsetnx(self.keys.meta, GPUS_RELEASED, time.time() if now is None else now)
 
     def gpus_released(self) -> bool:

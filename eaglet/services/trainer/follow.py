@@ -5,7 +5,9 @@
 It looks at the runs (``keys.RUNS``, oldest first) every few seconds. A run whose stage is ``extracted`` is
 claimed with a Redis lock (SET NX with a TTL that this loop renews while the training runs), so several
 trainer replicas never train one run twice, and trained by ``python -m eaglet.services.trainer.main --run RUN``
-in a child process (``torchrun --standalone --nproc-per-node N`` when ``EAGLET_TRAIN_GPUS`` is N > 0).
+in a child process (``torchrun --standalone --nproc-per-node M`` when ``EAGLET_TRAIN_GPUS`` is M > 0 GPUs, or a
+list of M GPUs, which the child then sees as ``CUDA_VISIBLE_DEVICES``; each process checks its GPU against those
+the inference service released, see eaglet/shared/gpus.py).
 A run left in ``waiting_for_gpus``, ``training`` or ``evaluating`` whose lock has expired lost its trainer
 (a killed container, an OOM kill): it is claimed again and resumes from its newest checkpoint, at most
 ``EAGLET_TRAIN_MAX_ATTEMPTS`` times in all.
@@ -19,14 +21,16 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from redis import Redis
 from redis.exceptions import RedisError
 
 from eaglet.shared import keys
 from eaglet.shared.config import Settings
+from eaglet.shared.gpus import parse_train_gpus
 from eaglet.shared.keys import RunKeys
 from eaglet.shared.records import TRAINER_STAGES
 from eaglet.shared.runstate import RunState, Stage
@@ -41,8 +45,16 @@ UNLOCK = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL',
 
 
 class FollowSettings(Settings):
-    train_gpus: int = Field(0, ge=0)
-    """Trainer processes (one per GPU) through torchrun; 0 trains in one plain process (CPU)."""
+    train_gpus: str = "0"
+    """Trainer processes (one per GPU) through torchrun: a number M (the first M GPUs) or a list of GPUs
+    (``4,5,6,7``; one GPU: ``3,``); 0 trains in one plain process (CPU). After a GPU release they must be among
+    the GPUs the inference server held."""
+
+    @field_validator("train_gpus")
+    @classmethod
+    def _train_gpus(cls, value: str) -> str:
+        parse_train_gpus(value)  # ValueError naming EAGLET_TRAIN_GPUS and what it takes
+        return value
 
     train_args: str = ""
     """More ``eaglet.services.trainer.main`` options, shell-quoted, e.g. ``--epochs 2 --tokens-per-batch 16384``."""
@@ -74,9 +86,16 @@ def trainer_command(settings: FollowSettings, run_id: str) -> list[str]:
     if settings.eval_prompts:
         args += ["--eval-prompts", settings.eval_prompts]
     args += shlex.split(settings.train_args)
-    if settings.train_gpus > 0:
-        return ["torchrun", "--standalone", "--nproc-per-node", str(settings.train_gpus), *args]
+    processes, _ = parse_train_gpus(settings.train_gpus)
+    if processes > 0:
+        return ["torchrun", "--standalone", "--nproc-per-node", str(processes), *args]
     return [sys.executable, *args]
+
+
+def trainer_env(settings: FollowSettings, environ: Mapping[str, str]) -> dict[str, str]:
+    """The trainer's environment: ours, with the GPUs ``EAGLET_TRAIN_GPUS`` lists as its visible devices."""
+    _, gpus = parse_train_gpus(settings.train_gpus)
+    return {**environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else dict(environ)
 
 
 def next_run(redis: Redis, settings: FollowSettings, owner: str) -> str | None:
@@ -97,7 +116,7 @@ def train_run(redis: Redis, settings: FollowSettings, run_id: str, owner: str, s
     attempt = state.add_train_attempt()
     command = trainer_command(settings, run_id)
     log.info("run %s: training, attempt %d: %s", run_id, attempt, shlex.join(command))
-    proc = subprocess.Popen(command)
+    proc = subprocess.Popen(command, env=trainer_env(settings, os.environ))
     ttl_ms = int(settings.train_lock_ttl_s * 1000)
     renew_s = settings.train_lock_ttl_s / 4
     signalled = False

@@ -5,7 +5,9 @@ release its GPUs), then trains the drafter.
     torchrun --nproc-per-node 8 -m eaglet.services.trainer.main --run-id RUN [options]
 
 It never trains on a partial run unless ``--allow-partial`` is given. GPU release is signalled by the field
-``gpus_released`` (unix s) in the run's meta hash, set by whoever stops the inference service.
+``gpus_released`` (unix s) in the run's meta hash, set by whoever stops the inference service. No process touches
+a GPU before that; then each checks that the GPUs it would use are among those the server released
+(``released_gpus``): a trainer of M processes takes M of the N GPUs extraction ran on.
 """
 
 import argparse
@@ -20,7 +22,7 @@ import textwrap
 import threading
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,6 +31,7 @@ from redis.exceptions import RedisError
 
 from eaglet.services.trainer.train import Dist, TrainConfig, init_distributed, train
 from eaglet.shared.config import Settings
+from eaglet.shared.gpus import SETTING, GpuHandoffError, check_handoff, visible_gpus
 from eaglet.shared.records import GPUS_RELEASED, TrainProgress
 from eaglet.shared.runstate import RunState, StageRefused
 from eaglet.shared.target import resolve_model_dir
@@ -124,6 +127,25 @@ def describe_extraction(state: RunState) -> str:
     )
 
 
+def check_released_gpus(state: RunState, environ: Mapping[str, str]) -> None:
+    """GpuHandoffError unless this host's trainer processes (torchrun's ``LOCAL_WORLD_SIZE``, one GPU each, in
+    ``CUDA_VISIBLE_DEVICES`` order) would use GPUs the inference service released. Nothing to check when it
+    released none (a server on CPU)."""
+    released = state.meta().released_gpus
+    if not released:
+        return
+    local = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    visible = visible_gpus(environ)
+    where = f"field released_gpus in {state.keys.meta}"
+    if len(visible) < local:
+        raise GpuHandoffError(
+            f"{local} trainer process(es) on this host but {len(visible)} GPU(s) visible ({','.join(visible)}); "
+            f"the inference service released {','.join(released)} ({where}); set {SETTING} to at most "
+            f"{min(len(visible), len(released))}"
+        )
+    check_handoff(visible[:local], released, where)
+
+
 def heartbeat(state: RunState, interval_s: float, stop: threading.Event) -> None:
     """Beats in the run's train hash (``beat_at``) until stopped: a trainer that dies or hangs mid-run shows in
     ``/status`` as the ``trainer_lost`` alert, not as a run training forever."""
@@ -138,23 +160,27 @@ def heartbeat(state: RunState, interval_s: float, stop: threading.Event) -> None
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(TrainConfig, args)  # bad values fail here, before any waiting
-    env: Dist = init_distributed()
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # torchrun's rank, read without touching a GPU
     logging.basicConfig(
-        level=logging.INFO if env.main else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO if rank0 else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = Settings()
     redis = Redis.from_url(settings.redis_url, decode_responses=True)
     state = RunState(redis, args.run)
     stop_beat = threading.Event()
-    if env.main:
+    if rank0:
         beat = threading.Thread(target=heartbeat, args=(state, settings.heartbeat_interval_s, stop_beat), daemon=True,
                                 name="heartbeat")  # fmt: skip
         beat.start()
     try:
         wait_for_start(
             state, allow_partial=args.allow_partial, wait_for_gpus=args.wait_for_gpus, poll_s=args.poll_s,
-            announce=env.main,
+            announce=rank0,
         )  # fmt: skip
+        if args.wait_for_gpus:
+            check_released_gpus(state, os.environ)
+        # Only now a GPU is touched: while the inference server runs, even a CUDA context would take its memory.
+        env: Dist = init_distributed()
         model = args.model or state.meta().model_dir or settings.model
         target_dir = resolve_model_dir(model, settings.model_cache_dir)
         if env.main:
@@ -175,12 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     except (RunCancelled, StageRefused) as e:
         log.warning("run %s: %s; not training", args.run, e)
         return 1
+    except GpuHandoffError as e:
+        log.error("run %s: %s", args.run, e)
+        if rank0:
+            state.fail(str(e))
+        return 1
     except KeyboardInterrupt:
         log.warning("run %s: interrupted; the newest checkpoint resumes it", args.run)
         return 130
     except Exception as e:
         log.error("run %s: training failed", args.run, exc_info=True)
-        if env.main:
+        if rank0:
             state.fail(f"{type(e).__name__}: {e}")
         return 1
     finally:
