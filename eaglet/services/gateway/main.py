@@ -10,6 +10,7 @@ from functools import partial
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
 from redis import Redis
 
@@ -53,6 +54,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.state.metrics.register(StatusCollector(redis, app.state.status_config, settings.status_max_runs, local_disk))
     for module in (page, status, runs, metrics):
         app.include_router(module.router)
+    app.mount("/static", StaticFiles(directory=page.STATIC), name="static")  # the page's script and its chart library
     return app
 
 

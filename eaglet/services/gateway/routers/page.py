@@ -1,4 +1,5 @@
-"""``GET /``: the live page. Plain HTML and a little JS that polls ``/status``; no build step."""
+"""``GET /``: the live page. Plain HTML and a little JS that polls ``/status`` and draws each run's series
+(``static/charts.js``, with the uPlot library vendored under ``static/vendor/``); no build step, no CDN."""
 
 from pathlib import Path
 
