@@ -3,6 +3,8 @@
 #   p1   sglang, flashinfer, sglang-kernel -> /root/stage/site; eaglet's wheels -> /root/stage/esite;
 #        redis-server -> /root/stage/redis; eaglet's SGLang plugin (from this tree) -> /root/stage/plugin_site
 #   p2   the rest of SGLang's dependencies -> /root/stage/site; tokenizer -> /root/stage/tokenizer
+#   p3   SpecForge 0.2.0 -> /root/stage/sfsite (its own folder: eaglet's runs never see it); the HumanEval
+#        prompts -> /root/stage/humaneval (bench/gpu/stage-specforge.sh)
 #   m1 m2 m3   parts of the SmolLM2 GGUF -> /root/stage/gguf (joined and checked once all three are there)
 # A part already installed while the machine stays up is skipped. Prints what it did.
 set -euo pipefail
@@ -21,6 +23,10 @@ for PART in "$@"; do
       if [ -d "$PART/redis" ]; then rm -rf $S/redis; cp -r "$PART/redis" $S/redis; chmod +x $S/redis/bin/*; fi
       [ -f "$PART/tokenizer.tgz" ] && tar -C $S -xzf "$PART/tokenizer.tgz"
       python3 -c "import IPython" 2>/dev/null || cp -r bench/gpu/shims/IPython $S/site/
+      ;;
+    p3)
+      rm -rf $S/sfsite; $PIPI --target $S/sfsite "$PART"/specforge-*.whl
+      mkdir -p $S/humaneval; cp "$PART/HumanEval.jsonl.gz" $S/humaneval/
       ;;
     m1|m2|m3) cp "$PART"/* $S/gguf/ ;;
     *) echo "unknown part $name"; exit 2 ;;

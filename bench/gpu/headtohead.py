@@ -1,0 +1,427 @@
+"""eaglet's drafter against SpecForge 0.2.0's on the bundled SmolLM2-135M-Instruct, on one H200, in phases
+(bench/gpu/README.md has the call sequence). Results in $OUT/<phase>.json; the table via bench/gpu/h2hreport.py.
+
+    python3 bench/gpu/headtohead.py PHASE [PHASE...]     (from the repo root, after bench/gpu/install.sh)
+
+Phases (each skipped when an earlier call finished it; state in $GPUBENCH_ROOT/gpubench-results.json):
+  h2h-data       SGLang with eaglet's plugin on the real SmolLM2; the target writes its own prompts (Magpie:
+                 sampled from its chat template's user prefix, deduplicated, filtered), answers them greedily
+                 through /v1/chat/completions, a share of conversations gets a second user turn and answer;
+                 a held-out share of prompts is set apart and never ingested.
+  h2h-extract    the conversations through eaglet: ingest, the same server with the plugin, extractor workers,
+                 the store.
+  h2h-eaglet     eaglet's trainer, default recipe, H2H_EPOCHS epochs (checkpoints only at the end).
+  h2h-specforge  the same training samples (eaglet's own held-out split left out) as SpecForge offline features,
+                 SpecForge's `specforge train` (its defaults; same epochs, same samples per optimizer step),
+                 its SGLang export.
+  h2h-eval       one plain SGLang build: the target alone, then each drafter at chains (3, 1, 4) and (5, 1, 6),
+                 on the 164 HumanEval prompts and the held-out prompts, greedy: accept length, output tokens/s.
+  h2h-report     $OUT/gpu-headtohead.md and .json.
+"""
+
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
+
+import h2hreport
+import httpx
+import magpie
+import phases as P
+
+N_CONV = int(os.environ.get("H2H_CONVERSATIONS", "10000"))
+HELDOUT = int(os.environ.get("H2H_HELDOUT", "200"))
+MULTI_TURN = float(os.environ.get("H2H_MULTI_TURN", "0.25"))
+PROMPT_TOKENS = int(os.environ.get("H2H_PROMPT_TOKENS", "128"))
+ANSWER_TOKENS = int(os.environ.get("H2H_ANSWER_TOKENS", "256"))
+GEN_CONCURRENCY = int(os.environ.get("H2H_GEN_CONCURRENCY", "256"))
+WORKERS = int(os.environ.get("H2H_WORKERS", "16"))
+EPOCHS = int(os.environ.get("H2H_EPOCHS", "3"))
+EVAL_TOKENS = int(os.environ.get("H2H_EVAL_TOKENS", "256"))
+EVAL_CONCURRENCY = int(os.environ.get("H2H_EVAL_CONCURRENCY", "32"))
+CHAINS = ((3, 1, 4), (5, 1, 6))
+TOKENS_PER_BATCH, TRAINER_HELDOUT = 2048, 0.05  # eaglet's TrainConfig defaults, which the run keeps
+
+H2H = P.ROOT / "h2h"
+SMOL = P.MODELS / "smollm2"
+SERVER = "h2h-sgl"
+PY_SPECFORGE = f"{P.S}/sfsite:{P.REPO}/bench/gpu/shims:{P.S}/site"
+GEN_EXTRA = ["--mem-fraction-static", "0.6", "--cuda-graph-max-bs", "256", "--chunked-prefill-size", "8192"]
+EVAL_EXTRA = ["--mem-fraction-static", "0.5", "--disable-cuda-graph"]
+
+
+def ensure_model() -> None:
+    if not (SMOL / "config.json").exists():
+        subprocess.run([sys.executable, "bench/gpu/mkmodel.py", "gguf", str(SMOL), str(P.S / "gguf" / "model.gguf")],
+                       check=True, env={**os.environ, "PYTHONPATH": P.PY_EAGLET})  # fmt: skip
+
+
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(SMOL)
+
+
+def done(phase: str) -> bool:
+    if P.RESULTS.get(phase, {}).get("done"):
+        P.log(f"{phase}: done in an earlier call")
+        return True
+    return False
+
+
+def plugin_server() -> None:
+    """SGLang with eaglet's plugin (eaglet's launch command), kept up from h2h-data through h2h-extract; CUDA
+    graphs on for generation speed, off again if the server does not come up with them."""
+    if SERVER in P.PROCS:
+        return
+    P.redis_up()
+    P.DUMPS.mkdir(parents=True, exist_ok=True)
+    R = P.RESULTS.setdefault("h2h-data", {})
+    try:
+        R["server_startup_s"] = P.sglang(SERVER, SMOL, plugin=True, extra=GEN_EXTRA)
+        R["server_flags"] = " ".join(GEN_EXTRA + P.SGL_BASE)
+    except RuntimeError as e:
+        P.stop(SERVER)
+        R["cuda_graph_error"] = str(e)[-1500:]
+        extra = GEN_EXTRA[:2] + ["--chunked-prefill-size", "8192", "--disable-cuda-graph"]
+        R["server_startup_s"] = P.sglang(SERVER, SMOL, plugin=True, extra=extra)
+        R["server_flags"] = " ".join(extra + P.SGL_BASE)
+
+
+def fan_out(fn, items: list, concurrency: int) -> list:
+    with ThreadPoolExecutor(concurrency) as ex:
+        return list(ex.map(fn, items))
+
+
+def sample_turns(client: httpx.Client, prefixes: list[list[int]], stop_id: int) -> list[str]:
+    """One user turn sampled from each prefix (temperature 1: Magpie's diversity comes from sampling)."""
+
+    def one(ids: list[int]) -> str:
+        sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": PROMPT_TOKENS, "stop_token_ids": [stop_id]}
+        r = client.post("/generate", json={"input_ids": ids, "sampling_params": sp})
+        return r.json().get("text", "") if r.status_code == 200 else ""
+
+    return fan_out(one, prefixes, GEN_CONCURRENCY)
+
+
+def answer(client: httpx.Client, model: str, conversations: list[list[dict]]) -> list[str]:
+    """Greedy answers to each conversation's last user turn, through SGLang's OpenAI-compatible endpoint."""
+
+    def one(messages: list[dict]) -> str:
+        body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": ANSWER_TOKENS}
+        r = client.post("/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            return ""
+        return (r.json()["choices"][0]["message"].get("content") or "").strip()
+
+    return fan_out(one, conversations, GEN_CONCURRENCY)
+
+
+def phase_data() -> None:
+    if done("h2h-data"):
+        return
+    t0 = time.time()
+    ensure_model()
+    plugin_server()
+    R = P.RESULTS.setdefault("h2h-data", {})
+    tok = tokenizer()
+    stop_id = tok.convert_tokens_to_ids("<|im_end|>")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{P.SGL_PORT}", timeout=600,
+                          limits=httpx.Limits(max_connections=GEN_CONCURRENCY + 8))  # fmt: skip
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    dedupe = magpie.Deduper()
+    first = tok.encode(magpie.user_prefix(tok, []), add_special_tokens=False)
+    want = N_CONV + HELDOUT
+    prompts, rounds = [], []
+    while len(prompts) < want and len(rounds) < 4:
+        kept, stats = magpie.filter_prompts(sample_turns(client, [first] * int((want - len(prompts)) * 1.3 + 64),
+                                                         stop_id), dedupe)  # fmt: skip
+        prompts += kept
+        rounds.append(stats)
+    R["magpie"] = {"rounds": rounds, "prefix": magpie.user_prefix(tok, [])}
+    P.log(f"h2h-data: {len(prompts)} prompts after {rounds}")
+    convs = [{"id": f"mp-{i:06d}", "messages": [{"role": "user", "content": p}]} for i, p in enumerate(prompts[:want])]
+    frac = HELDOUT / want
+    held = [c for c in convs if magpie.is_heldout(c["id"], frac)]
+    train = [c for c in convs if not magpie.is_heldout(c["id"], frac)]
+    for c, a in zip(train, answer(client, model, [c["messages"] for c in train]), strict=True):
+        c["messages"].append({"role": "assistant", "content": a})
+    train = [c for c in train if c["messages"][-1]["content"]]
+    second = [c for c in train if random.Random(c["id"]).random() < MULTI_TURN]
+    prefixes = [tok.encode(magpie.user_prefix(tok, c["messages"]), add_special_tokens=False) for c in second]
+    dedupe2, multi = magpie.Deduper(), []
+    for c, raw in zip(second, sample_turns(client, prefixes, stop_id), strict=True):
+        turn = magpie.clean_turn(raw)
+        if turn is not None and dedupe2.keep(turn):
+            multi.append(c)
+            c["messages"].append({"role": "user", "content": turn})
+    for c, a in zip(multi, answer(client, model, [c["messages"] for c in multi]), strict=True):
+        if a:
+            c["messages"].append({"role": "assistant", "content": a})
+        else:
+            c["messages"].pop()  # an unanswered second turn is dropped, the first exchange kept
+    H2H.mkdir(parents=True, exist_ok=True)
+    with open(H2H / "train.jsonl", "w") as f:
+        for c in train:
+            f.write(json.dumps(c) + "\n")
+    with open(H2H / "heldout.jsonl", "w") as f:
+        for c in held:
+            f.write(json.dumps({"id": c["id"], "prompt": c["messages"][0]["content"]}) + "\n")
+    R.update(conversations=len(train), multi_turn=sum(1 for c in train if len(c["messages"]) > 2),
+             heldout_prompts=len(held), second_turn_repeats=dedupe2.repeats, wall_s=round(time.time() - t0, 1),
+             example=train[0] if train else None, done=True)  # fmt: skip
+    P.log(f"h2h-data: {len(train)} conversations, {R['multi_turn']} multi-turn, {len(held)} held out")
+
+
+def phase_extract() -> None:
+    if done("h2h-extract"):
+        return
+    ensure_model()
+    plugin_server()
+    R = P.RESULTS.setdefault("h2h-extract", {})
+    run_id = f"h2h-{int(time.time())}"
+    R["run_id"] = run_id
+    timeout = float(os.environ.get("H2H_EXTRACT_TIMEOUT", "420"))
+    R.update(P.pipeline(run_id, SMOL, H2H / "train.jsonl", P.SGL_PORT, WORKERS, 2048, timeout=timeout))
+    P.stop(SERVER)
+    R["done"] = bool(R.get("complete"))
+
+
+class GpuMemory:
+    """Peak GPU memory in use on device 0 (nvidia-smi every 0.5 s), the same measure for both trainers."""
+
+    def __enter__(self):
+        self.peak_mib, self._stop = 0, False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop = True
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                      "-i", "0"], capture_output=True, text=True, timeout=5).stdout  # fmt: skip
+                self.peak_mib = max(self.peak_mib, int(out.split()[0]))
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                pass
+            time.sleep(0.5)
+
+
+def training_rows() -> list[tuple[int, str, int]]:
+    """(index, sample_id, length) of the stored samples eaglet's trainer trains on."""
+    from specforge_features import training_split
+
+    from eaglet.shared.samples import SampleSet
+    from eaglet.shared.store import sample_path, samples_dir
+
+    run_id = P.RESULTS["h2h-extract"]["run_id"]
+    samples = SampleSet(samples_dir(P.DATA, run_id))
+    rows = []
+    for i in range(len(samples)):
+        row = samples.index[i]
+        sid = row["id"].decode()
+        if sample_path(P.DATA, run_id, sid).exists():
+            rows.append((i, sid, int(row["length"])))
+    return training_split(rows, TRAINER_HELDOUT)
+
+
+def run_trainer(phase: str, name: str, argv: list[str], pythonpath: str, env: dict, timeout: float) -> dict:
+    R = P.RESULTS.setdefault(phase, {})
+    R["cmd"] = " ".join(argv[1:])
+    probe = P.OUT / f"{phase}-probe.json"
+    t = time.time()
+    with GpuMemory() as mem:
+        P.start(name, argv, pythonpath, {**env, "PROBE_OUT": str(probe)})
+        try:
+            P.PROCS[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            R["error"] = f"timed out after {timeout:.0f}s"
+    R["wall_s"] = round(time.time() - t, 1)
+    R["rc"] = P.PROCS[name].returncode
+    R["log_tail"] = P.tail(name, 40)
+    P.stop(name)
+    R["peak_gpu_GiB"] = round(mem.peak_mib / 1024, 2)
+    R["probe"] = json.loads(probe.read_text()) if probe.exists() else None
+    return R
+
+
+def phase_eaglet() -> None:
+    if done("h2h-eaglet"):
+        return
+    rows = training_rows()
+    run_id = P.RESULTS["h2h-extract"]["run_id"]
+    argv = [sys.executable, "bench/gpu/train_probe.py", "--run", run_id, "--epochs", str(EPOCHS),
+            "--checkpoint-every", "1000000"]  # fmt: skip
+    R = run_trainer("h2h-eaglet", "h2h-eaglet", argv, P.PY_EAGLET, P.eaglet_env(SMOL, P.SGL_PORT),
+                    float(os.environ.get("H2H_TRAIN_TIMEOUT", "420")))  # fmt: skip
+    train_hash = (R.get("probe") or {}).get("train_hash", {})
+    R.update(epochs=EPOCHS, train_samples=len(rows), train_tokens=sum(r[2] for r in rows) * EPOCHS,
+             optimizer_steps=train_hash.get("step"), trainer_reported_tokens_per_s=train_hash.get("tokens_per_s"),
+             drafter_dir=train_hash.get("drafter_dir"))  # fmt: skip
+    R["tokens_per_s"] = round(R["train_tokens"] / R["wall_s"], 1) if R["rc"] == 0 else None
+    R["done"] = R["rc"] == 0 and bool(R["drafter_dir"])
+
+
+def phase_specforge() -> None:
+    if done("h2h-specforge"):
+        return
+    from specforge_features import convert, run_config, target_view
+
+    from eaglet.services.trainer.data import Item, make_batches
+    from eaglet.shared.store import sample_path
+
+    R = P.RESULTS.setdefault("h2h-specforge", {})
+    run_id = P.RESULTS["h2h-extract"]["run_id"]
+    rows = training_rows()
+    feats = H2H / "sf-features"
+    feats.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    jobs = [(i, sid, str(sample_path(P.DATA, run_id, sid))) for i, sid, _ in rows]
+    with ProcessPoolExecutor(12) as ex:
+        tokens = sum(ex.map(convert, [jobs[k : k + 256] for k in range(0, len(jobs), 256)], [str(feats)] * len(jobs)))
+    R["convert"] = {"samples": len(jobs), "tokens": tokens, "wall_s": round(time.time() - t, 1)}
+    P.save("h2h-specforge")
+    # the same samples per optimizer step as eaglet's length-grouped batches of 2,048 tokens
+    batches = len(make_batches([Item(i, sid, n) for i, sid, n in rows], TOKENS_PER_BATCH, 0, 0))
+    batch_size = max(1, round(len(rows) / max(batches, 1)))
+    cfg = run_config(target_view(SMOL, P.MODELS / "smollm2-specforge"), feats, H2H / "sf-run", epochs=EPOCHS,
+                     batch_size=batch_size, max_length=2048)  # fmt: skip
+    (H2H / "sf-run").mkdir(parents=True, exist_ok=True)
+    cfg_path = H2H / "sf-run" / "config.json"
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    drafter = H2H / "sf-drafter"
+    argv = [sys.executable, "bench/gpu/specforge_train.py", str(cfg_path), str(drafter)]
+    R["config"] = cfg
+    R = run_trainer("h2h-specforge", "h2h-specforge", argv, PY_SPECFORGE, {},
+                    float(os.environ.get("H2H_TRAIN_TIMEOUT", "420")))  # fmt: skip
+    R.update(epochs=EPOCHS, batch_size=batch_size, eaglet_batches_per_epoch=batches, train_samples=len(rows),
+             train_tokens=sum(r[2] for r in rows) * EPOCHS, optimizer_steps=-(-len(rows) // batch_size) * EPOCHS,
+             drafter_dir=str(drafter))  # fmt: skip
+    ok = R["rc"] == 0 and (drafter / "config.json").exists()
+    probe_wall = (R.get("probe") or {}).get("wall_s")
+    R["tokens_per_s"] = round(R["train_tokens"] / probe_wall, 1) if ok and probe_wall else None
+    R["done"] = ok
+
+
+def eval_prompts(tok) -> dict[str, list[list[int]]]:
+    """Chat-formatted prompt ids: the 164 HumanEval prompts and the held-out Magpie prompts."""
+
+    def ids(text: str) -> list[int]:
+        out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    with gzip.open(P.S / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
+        humaneval = [ids(json.loads(line)["prompt"]) for line in f]
+    heldout = [ids(json.loads(line)["prompt"]) for line in open(H2H / "heldout.jsonl")]
+    return {"humaneval": humaneval, "heldout": heldout}
+
+
+def decode(prompts: list[list[int]]) -> dict:
+    """Greedy decoding of every prompt, EVAL_CONCURRENCY in flight: SGLang's accept length (completion tokens
+    over verify steps) and the output tokens/s the client sees."""
+    client = httpx.Client(base_url=f"http://127.0.0.1:{P.SGL_PORT}", timeout=600,
+                          limits=httpx.Limits(max_connections=EVAL_CONCURRENCY + 4))  # fmt: skip
+
+    def one(ids: list[int]) -> dict:
+        sp = {"max_new_tokens": EVAL_TOKENS, "temperature": 0}
+        r = client.post("/generate", json={"input_ids": ids, "sampling_params": sp})
+        if r.status_code != 200:
+            return {"error": r.text[:200]}
+        body = r.json()
+        return {"text": body["text"], **{k: body["meta_info"].get(k) for k in ("completion_tokens", "spec_verify_ct")}}
+
+    fan_out(one, prompts[:4], 4)  # warm-up
+    t = time.time()
+    outs = fan_out(one, prompts, EVAL_CONCURRENCY)
+    wall = time.time() - t
+    ok = [o for o in outs if "error" not in o]
+    tokens = sum(o["completion_tokens"] for o in ok)
+    verifies = sum(o["spec_verify_ct"] or 0 for o in ok)
+    return {
+        "requests": len(prompts),
+        "errors": len(outs) - len(ok),
+        "first_error": next((o["error"] for o in outs if "error" in o), None),
+        "completion_tokens": tokens,
+        "wall_s": round(wall, 2),
+        "output_tokens_per_s": round(tokens / wall, 1),
+        "accept_length": round(tokens / verifies, 4) if verifies else None,
+        "texts": [o.get("text") for o in outs],
+    }
+
+
+def phase_eval() -> None:
+    if done("h2h-eval"):
+        return
+    R = P.RESULTS.setdefault("h2h-eval", {})
+    ensure_model()
+    prompts = eval_prompts(tokenizer())
+    R.update(chains=[str(c) for c in CHAINS], prompt_sets=list(prompts), max_new_tokens=EVAL_TOKENS,
+             concurrency=EVAL_CONCURRENCY, server_flags=" ".join(EVAL_EXTRA + P.SGL_BASE))  # fmt: skip
+    drafters = {d: P.RESULTS.get(f"h2h-{d}", {}).get("drafter_dir") for d in h2hreport.DRAFTERS}
+    runs = [("baseline", None, None)] + [(d, drafters[d], c) for d in drafters for c in CHAINS]
+    base_texts = {}
+    for name, ddir, chain in runs:
+        key = name if chain is None else f"{name} {chain}"
+        if chain is not None and not (ddir and Path(ddir, "config.json").exists()):
+            R.setdefault(name, {})[str(chain)] = {s: {"error": "no drafter"} for s in prompts}
+            continue
+        extra = list(EVAL_EXTRA)
+        if chain is not None:
+            extra += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", ddir,
+                      "--speculative-num-steps", str(chain[0]), "--speculative-eagle-topk", str(chain[1]),
+                      "--speculative-num-draft-tokens", str(chain[2])]  # fmt: skip
+        try:
+            P.sglang(f"h2h-eval-{key.replace(' ', '')}", SMOL, plugin=False, extra=extra, timeout=300)
+            res = {}
+            for pset, ids in prompts.items():
+                out = decode(ids)
+                texts = out.pop("texts")
+                if chain is None:
+                    base_texts[pset] = texts
+                elif pset in base_texts:
+                    out["same_text_as_target_alone"] = sum(a == b for a, b in zip(texts, base_texts[pset], strict=True))
+                res[pset] = out
+                P.log(f"h2h-eval {key} {pset}: {out}")
+        except Exception as e:  # one configuration failing leaves the others to run
+            res = {s: {"error": f"{type(e).__name__}: {str(e)[-1500:]}"} for s in prompts}
+        finally:
+            P.stop_all()
+        if chain is None:
+            R["baseline"] = res
+        else:
+            R.setdefault(name, {})[str(chain)] = res
+        P.save("h2h-eval")
+    R["done"] = True
+
+
+def phase_report() -> None:
+    for phase in h2hreport.PHASES:
+        P.save(phase)
+    h2hreport.write(P.OUT, P.OUT)
+
+
+PHASES = {
+    "h2h-data": phase_data,
+    "h2h-extract": phase_extract,
+    "h2h-eaglet": phase_eaglet,
+    "h2h-specforge": phase_specforge,
+    "h2h-eval": phase_eval,
+    "h2h-report": phase_report,
+}
+ESTIMATE_S = {"h2h-data": 200, "h2h-extract": 200, "h2h-eaglet": 200, "h2h-specforge": 300, "h2h-eval": 420,
+              "h2h-report": 5}  # fmt: skip
+
+if __name__ == "__main__":
+    P.PHASES.update(PHASES)
+    P.ESTIMATE_S.update(ESTIMATE_S)
+    raise SystemExit(P.main())
