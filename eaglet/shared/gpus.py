@@ -44,6 +44,14 @@ def visible_gpus(env: Mapping[str, str]) -> list[str]:
     return parse_gpu_list(listed.replace("\n", ","))
 
 
+def cuda_devices() -> list[str]:
+    """The GPUs torch sees, by index, for a process whose environment names none (an image without nvidia-smi).
+    Counted through the driver: no CUDA context, no GPU memory taken."""
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
 def parse_train_gpus(spec: str) -> tuple[int, list[str] | None]:
     """``EAGLET_TRAIN_GPUS``: processes and, for a list, which GPUs. ``"4"`` -> (4, None); ``"0,2"`` ->
     (2, ["0", "2"]); ``"0"`` -> (0, None): one plain process (CPU). ValueError naming the setting otherwise."""

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 
 from eaglet.services.trainer.train import Dist, TrainConfig, init_distributed, train
 from eaglet.shared.config import Settings
-from eaglet.shared.gpus import SETTING, GpuHandoffError, check_handoff, visible_gpus
+from eaglet.shared.gpus import SETTING, GpuHandoffError, check_handoff, cuda_devices, visible_gpus
 from eaglet.shared.records import GPUS_RELEASED, TrainProgress
 from eaglet.shared.runstate import RunState, StageRefused
 from eaglet.shared.target import resolve_model_dir
@@ -130,12 +130,14 @@ def describe_extraction(state: RunState) -> str:
 def check_released_gpus(state: RunState, environ: Mapping[str, str]) -> None:
     """GpuHandoffError unless this host's trainer processes (torchrun's ``LOCAL_WORLD_SIZE``, one GPU each, in
     ``CUDA_VISIBLE_DEVICES`` order) would use GPUs the inference service released. Nothing to check when it
-    released none (a server on CPU)."""
+    released none (a server on CPU), or when this host has no GPU (the trainer runs on CPU)."""
     released = state.meta().released_gpus
     if not released:
         return
     local = int(environ.get("LOCAL_WORLD_SIZE", "1"))
-    visible = visible_gpus(environ)
+    visible = visible_gpus(environ) or cuda_devices()
+    if not visible:
+        return
     where = f"field released_gpus in {state.keys.meta}"
     if len(visible) < local:
         raise GpuHandoffError(
