@@ -57,9 +57,9 @@ def test_secrets_are_required():
             load({k: v for k, v in SECRETS.items() if k != name})
 
 
-def test_only_the_gateway_publishes_a_port_on_loopback(compose):
+def test_only_the_gateway_and_grafana_publish_a_port_on_loopback(compose):
     published = {name: s["ports"] for name, s in compose["services"].items() if s.get("ports")}
-    assert published == {"gateway": ["127.0.0.1:8000:8000"]}
+    assert published == {"gateway": ["127.0.0.1:8000:8000"], "grafana": ["127.0.0.1:3000:3000"]}
     assert all("expose" not in s or name == "gateway" for name, s in compose["services"].items())
 
 
@@ -95,7 +95,7 @@ def test_scalable_extractors_and_restart_policies(compose):
 
 
 def test_volumes(compose):
-    assert set(compose["volumes"]) == {"redis", "data", "models", "dump"}
+    assert set(compose["volumes"]) == {"redis", "data", "models", "dump", "prometheus", "grafana"}
     assert compose["volumes"]["dump"]["driver_opts"]["type"] == "tmpfs"
     for name in ("inference", "extractor", "inference-gpu", "extractor-gpu"):
         assert "dump:/dump" in compose["services"][name]["volumes"], name
@@ -149,3 +149,27 @@ def test_the_image_runs_as_non_root_with_code_after_dependencies():
     assert "pip install" not in text
     # What differs between services is compose's business.
     assert not re.search(r"^(CMD|ENTRYPOINT|HEALTHCHECK|ENV) ", text, flags=re.M)
+
+
+def test_monitoring_profile_scrapes_the_gateway_with_eaglets_dashboard(compose):
+    services = compose["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert prometheus["profiles"] == grafana["profiles"] == ["monitoring"]
+    for service in (prometheus, grafana):  # pinned, never latest
+        assert re.fullmatch(r"(prom/prometheus|grafana/grafana):v?\d+\.\d+\.\d+", service["image"]), service["image"]
+    # Every file the services mount is in the repository.
+    for service in (prometheus, grafana):
+        for volume in service["volumes"]:
+            source = volume.split(":")[0]
+            assert not source.startswith("./") or (ROOT / source).exists(), source
+    scrape = yaml.safe_load((ROOT / "docker" / "monitoring" / "prometheus.yml").read_text())
+    [job] = scrape["scrape_configs"]
+    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == ["gateway:8000"]
+    assert job["authorization"]["credentials_file"] in prometheus["entrypoint"][-1]  # the token is written there
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "tok"  # never Grafana's default admin password
+    provisioning = ROOT / "docker" / "monitoring" / "grafana" / "provisioning"
+    [source] = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "eaglet.yml").read_text())["providers"]
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in grafana["volumes"]}
+    assert (ROOT / mounted[provider["options"]["path"]] / "eaglet.json").is_file()

@@ -1,5 +1,6 @@
 """Prometheus figures, read from Redis at each scrape through the same code as ``/status``."""
 
+import json
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -60,6 +61,13 @@ def _run_metrics(report: StatusReport) -> Iterator[Metric]:
         "acc": _gauge("train_accuracy", "Trainer accuracy", run),
         "train_tps": _gauge("train_tokens_per_second", "Trainer tokens per second", run),
         "train_eta": _gauge("train_eta_seconds", "Estimated seconds to the end of training", run),
+        "acc_pos": _gauge(
+            "train_accuracy_position", "Trainer accuracy of each draft position (1 = the first)", ["run", "position"]
+        ),  # fmt: skip
+        "accept_length": _gauge("eval_accept_length", "Mean acceptance length of the evaluation", run),
+        "accept_rate": _gauge(
+            "eval_accept_rate", "Acceptance rate of each draft position in the evaluation", ["run", "position"]
+        ),  # fmt: skip
         "rg_done": CounterMetricFamily("eaglet_regen_prompts_done", "Prompts regenerated", labels=run),
         "rg_failed": CounterMetricFamily("eaglet_regen_prompts_failed", "Prompts given up", labels=run),
         "rg_retries": CounterMetricFamily("eaglet_regen_retries", "Requests tried again (429, 5xx)", labels=run),
@@ -78,6 +86,7 @@ def _run_metrics(report: StatusReport) -> Iterator[Metric]:
             "sps": ex.samples_per_s, "tps": ex.tokens_per_s, "eta": ex.eta_s, "error_rate": ex.error_rate,
             "projected": st.projected_total_bytes, "step": tr.step, "steps": tr.total_steps, "loss": tr.loss,
             "acc": tr.accuracy, "train_tps": tr.tokens_per_s, "train_eta": tr.eta_s,
+            "accept_length": _number(r.evaluation.get("accept_length")),
         }  # fmt: skip
         if (rg := r.regeneration) is not None:
             values |= {
@@ -88,12 +97,26 @@ def _run_metrics(report: StatusReport) -> Iterator[Metric]:
         for key, value in values.items():
             if value is not None:  # an unknown figure is absent, not 0: 0 would read as a real ETA or loss
                 families[key].add_metric(label, value)
+        for i, acc in enumerate(tr.accuracy_per_position or [], start=1):
+            families["acc_pos"].add_metric([r.run_id, str(i)], acc)
+        for i, rate in enumerate(_accept_rates(r.evaluation), start=1):
+            families["accept_rate"].add_metric([r.run_id, str(i)], rate)
         for stage in Stage:
             families["stage"].add_metric([r.run_id, stage], float(r.stage == stage))
         raised = {a.kind for a in r.alerts}
         for kind in ALERT_KINDS:
             families["alert"].add_metric([r.run_id, kind], float(kind in raised))
     return iter(families.values())
+
+
+def _number(value: float | str | None) -> float | None:
+    return value if isinstance(value, float) else None
+
+
+def _accept_rates(evaluation: dict[str, float | str]) -> list[float]:
+    """The per-position rates, which the status keeps as the JSON text the evaluation wrote."""
+    rates = json.loads(evaluation.get("accept_rate") or "[]")
+    return [float(r) for r in rates] if isinstance(rates, list) else []
 
 
 def _cluster_metrics(report: StatusReport) -> Iterator[Metric]:
