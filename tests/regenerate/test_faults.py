@@ -7,11 +7,16 @@ import signal
 import time
 
 import pytest
+from redis import Redis
+from rq.job import Job
+from rq.registry import StartedJobRegistry
 
 from eaglet.cli.stack import LocalStack
 from eaglet.services.regenerate.progress import Progress
 from eaglet.services.regenerate.results import batch_path, output_path
 from eaglet.shared.config import StatusSettings
+from eaglet.shared.jobqueue import owner_of
+from eaglet.shared.keys import queue_name
 from eaglet.shared.records import Stage
 from eaglet.shared.status import read_run
 from tests.regenerate.conftest import ChatProxy, start_run, start_workers, wait_regenerated, write_jsonl
@@ -31,6 +36,14 @@ def batch_entries(redis, settings, run_id: str) -> list[dict]:
         if path.exists():
             entries += [json.loads(line) for line in path.read_bytes().split(b"\n") if line.endswith(b"}")]
     return entries
+
+
+def batch_holders(run_id: str, settings) -> list[str]:
+    """Workers that hold a started batch job, by RQ's started registry."""
+    rq_redis = Redis.from_url(settings.redis_url)
+    registry = StartedJobRegistry(queue_name(run_id), connection=rq_redis)
+    jobs = [j for j in Job.fetch_many(registry.get_job_ids(), connection=rq_redis) if j is not None]
+    return sorted({owner[0] for j in jobs if (owner := owner_of(j.worker_name or ""))})
 
 
 def check_complete(redis, settings, run_id: str, n: int) -> None:
@@ -59,12 +72,14 @@ def test_workers_killed_mid_stage_lose_and_double_nothing(redis, settings, tmp_p
         deadline = time.monotonic() + 240
         while state.stage() == Stage.regenerating:
             assert time.monotonic() < deadline, Progress(redis, run_id).counts()
-            time.sleep(rng.uniform(0.5, 1.5))
+            time.sleep(rng.uniform(0.3, 1.0))
             done = Progress(redis, run_id).counts().get("done", 0)
             if kills >= 6 or done >= n - 4:
                 continue
-            # Three workers on ten batches: a kill mostly lands on a worker with answers in flight.
-            name = rng.choice(names)
+            holding = batch_holders(run_id, settings)  # a kill lands on a worker with answers in flight
+            if not holding:
+                continue
+            name = rng.choice(holding)
             stack.procs[name].send_signal(signal.SIGKILL)
             stack.procs[name].wait(10)
             kills += 1
