@@ -50,6 +50,7 @@ def test_table_and_unknown_run(fake_run, redis_server, capsys):
     assert main(["--redis-url", redis_server.url]) == 0
     out = capsys.readouterr().out
     assert "r1" in out and "extraction" in out and "w0" in out and "error" in out
+    assert "inference servers" in out and "http://inf:1" in out and "tiny" in out  # the server and its model
     assert main(["nope", "--redis-url", redis_server.url]) == 1
     assert main(["--redis-url", "redis://127.0.0.1:1/0"]) == 2
 
