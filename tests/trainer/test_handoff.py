@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -49,13 +50,37 @@ def test_visible_gpus_come_from_the_environment():
     assert visible_gpus({"NVIDIA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
 
 
-def test_supervisor_releases_its_gpus_once_no_run_extracts_and_the_trainer_takes_m_of_them(redis, redis_server):
+# Stands for SGLang: a launcher whose child (a scheduler) takes 2 s to exit after SIGTERM, holding its GPU meanwhile.
+SCHEDULER = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2), sys.exit(0)))
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(120)
+"""
+LAUNCHER = (
+    "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); time.sleep(120)"
+)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie holds no memory)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_supervisor_releases_its_gpus_once_no_run_extracts_and_the_trainer_takes_m_of_them(
+    redis, redis_server, tmp_path
+):
     ready, busy = RunState(redis, "ready"), RunState(redis, "busy")
     ready.create(stage=Stage.extracted, extraction_complete=time.time())
     busy.create(stage=Stage.extracting)
     env = {"EAGLET_REDIS_URL": redis_server.url, "EAGLET_RELEASE_GPUS_WHEN_DONE": "true",
-           "EAGLET_RELEASE_POLL_S": "0.1", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PATH": "/usr/bin:/bin"}  # fmt: skip
-    server = [sys.executable, "-c", "import time; time.sleep(120)"]  # stands for the server: holds the GPUs
+           "EAGLET_RELEASE_POLL_S": "0.1", "EAGLET_RELEASE_STOP_TIMEOUT_S": "15", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+           "PATH": "/usr/bin:/bin"}  # fmt: skip
+    pid_file = tmp_path / "scheduler.pid"
+    server = [sys.executable, "-c", LAUNCHER, SCHEDULER, str(pid_file)]
     supervisor = subprocess.Popen([sys.executable, "-m", "eaglet.services.inference.release", "--", *server], env=env)
     waits = dict(allow_partial=False, wait_for_gpus=True, poll_s=0.05, announce=True)
     trainer = threading.Thread(target=wait_for_start, args=(ready,), kwargs=waits, daemon=True)
@@ -64,8 +89,10 @@ def test_supervisor_releases_its_gpus_once_no_run_extracts_and_the_trainer_takes
         time.sleep(1.5)  # another run still extracts: the server keeps its GPUs, the trainer waits
         assert supervisor.poll() is None and trainer.is_alive() and not ready.gpus_released()
         assert ready.stage() == Stage.waiting_for_gpus
+        scheduler = int(pid_file.read_text())
         busy.cancel()
         assert supervisor.wait(30) == 0  # exit 0: stay down, the GPUs are the trainer's
+        assert not running(scheduler), "released while the server's scheduler still held its GPU"
         trainer.join(10)
         assert not trainer.is_alive()
     finally:

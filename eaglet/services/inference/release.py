@@ -13,6 +13,7 @@ that dies by itself makes the supervisor exit non-zero, so the restart policy br
 """
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -63,7 +64,8 @@ def release(redis: Redis, run_ids: list[str], now: float, gpus: list[str]) -> No
 
 
 def stop(proc: subprocess.Popen, timeout: float) -> int:
-    """SIGTERM to the server's whole process group (SGLang runs its schedulers as children), then SIGKILL."""
+    """SIGTERM to the server's whole process group (SGLang runs its schedulers as children), then SIGKILL; returns
+    once no process of the group is left: a scheduler still exiting still holds its GPU's memory."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -72,7 +74,30 @@ def stop(proc: subprocess.Popen, timeout: float) -> int:
             log.warning("server pid %d: no exit %.0fs after SIGTERM; killing it", proc.pid, timeout)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    if not group_gone(proc.pid, timeout):
+        log.warning("server group %d: processes left %.0fs after the server exited; killing them", proc.pid, timeout)
+        with contextlib.suppress(ProcessLookupError):  # the last one may have gone meanwhile
+            os.killpg(proc.pid, signal.SIGKILL)
+        group_gone(proc.pid, timeout)
     return proc.returncode
+
+
+def group_gone(pgid: int, timeout: float) -> bool:
+    """Waits up to ``timeout`` for every process of the group to exit; False if some are left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:  # as a container's PID 1 we adopt the group's orphans: reap them, or they stay as zombies
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def supervise(
