@@ -5,7 +5,7 @@ import argparse
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from functools import partial
 
 import uvicorn
@@ -37,6 +37,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         recording = asyncio.create_task(recorder.run_forever())
         yield
         recording.cancel()
+        with suppress(asyncio.CancelledError):
+            await recording
         redis.close()
         queue_redis.close()
 

@@ -58,7 +58,7 @@ const Charts = (() => {
     const series = spec.series(points);
     const data = [points.map(p => spec.x === "time" ? p.t : p.step), ...series.map(s => points.map(s.value))];
     const scales = {x: {time: spec.x === "time"}};
-    const axes = [{}, {size: 60, values: (u, vals) => vals.map(v => si(v, spec.unit || ""))}];
+    const axes = [{}, {size: 72, values: (u, vals) => vals.map(v => si(v, spec.unit || ""))}];
     if (series.some(s => s.scale)) axes.push({scale: "samples", side: 1, size: 50, grid: {show: false}});
     draw(state, spec.id, node, data, {scales, axes, series: [{label: spec.x === "time" ? "time" : "step"},
       ...series.map(s => ({label: s.label, stroke: s.color, width: 2, scale: s.scale || "y", spanGaps: false}))]});
