@@ -31,6 +31,7 @@ DEMO_EVAL = ROOT / "data" / "demo" / "eval.jsonl"
 # A small drafter learns from 59 k tokens only with a higher rate and small batches (many updates).
 DEMO_TRAIN_FLAGS = ["--ttt-steps", "2", "--draft-vocab-size", "4096", "--epochs", "3", "--max-len", "512"]
 DEMO_TRAIN_FLAGS += ["--tokens-per-batch", "2048", "--loader-workers", "0", "--checkpoint-every", "50", "--lr", "1e-3"]
+DEMO_TRAIN_FLAGS += ["--log-every", "5"]  # a short training: a progress report (a point of the charts) every 5 steps
 DEMO_EVAL_FLAGS = ["--eval-k", "2", "--eval-max-new-tokens", "48"]
 
 
