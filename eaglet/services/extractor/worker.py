@@ -44,6 +44,7 @@ IDLE_POLL_S = 1.0
 REDIS_BACKOFF_S = (1, 2, 5)
 STAGE_EMA = 0.1  # weight of the newest sample in the stage averages: about the last 20 samples count
 RATE_WINDOW_S = 60.0  # the worker's samples/s and tokens/s are taken over its last minute
+MODEL_INFO_EVERY_S = 60.0  # the server's model is asked again this often (a restarted server may serve another)
 
 
 @dataclass
@@ -125,6 +126,7 @@ def heartbeat_loop(
     # every heartbeat is old, and the workers are not dead.
     redis_ok_since = time.monotonic()
     host = settings.host_name or socket.gethostname()
+    model, model_at = {}, -MODEL_INFO_EVERY_S
     while not stop.is_set():
         try:
             usage = shutil.disk_usage(settings.data_dir)
@@ -147,9 +149,12 @@ def heartbeat_loop(
                 tokens_per_s=tokens_per_s,
             )
             writers = read_writer_stats(settings.dump_dir, max_age_s=settings.lost_after_s)
+            health = _probe(http)
+            if health["ok"] and (not model or time.monotonic() - model_at >= MODEL_INFO_EVERY_S):
+                model, model_at = _model_info(http) or model, time.monotonic()
             captured = extractor.captured if extractor is not None else None
             heartbeats.report_inference(
-                redis, settings.inference_url, host=host, **_probe(http, captured), writers=writers
+                redis, settings.inference_url, host=host, **health, **_with_dump(model, captured), writers=writers
             )
             if reaper is not None and time.monotonic() - redis_ok_since > reaper.lost_after_s:
                 swept = reaper.sweep(active_runs(redis))
@@ -161,36 +166,40 @@ def heartbeat_loop(
         stop.wait(settings.heartbeat_interval_s)
 
 
-def _probe(http: httpx.Client, captured: tuple[int, list[int]] | None = None) -> dict:
-    """The server's health and model. Its model comes from ``/get_model_info`` (SGLang's names it by path; the
-    reference server adds hidden size, layers and captured layer ids); what it lacks, from the newest dump."""
+def _probe(http: httpx.Client) -> dict:
     try:
         r = http.get("/health")
-        health = {"ok": r.status_code == 200, "detail": f"HTTP {r.status_code}"}
-        if not health["ok"]:
-            return health
-        info = http.get("/get_model_info")
-        model = info.json() if info.status_code == 200 else {}
+        return {"ok": r.status_code == 200, "detail": f"HTTP {r.status_code}"}
     except httpx.HTTPError as e:
         return {"ok": False, "detail": f"{type(e).__name__}: {e}"}
-    except ValueError:  # a body that is not JSON: healthy, model unknown
-        model = {}
-    hidden_size, layers = captured or (None, None)
+
+
+def _model_info(http: httpx.Client) -> dict:
+    """The server's model from ``/get_model_info``: SGLang names it by path; the reference server adds hidden size,
+    layers and captured layer ids. Empty when it does not answer: its health is ``/health``'s alone."""
+    try:
+        r = http.get("/get_model_info")
+        info = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):  # ValueError: a body that is not JSON
+        return {}
+    if not isinstance(info, dict):
+        return {}
+    layers = info.get("aux_layer_ids")
     return {
-        **health,
-        "model": Path(str(model.get("model_path") or "")).name,
-        "hidden_size": _int_or(model.get("hidden_size"), hidden_size),
-        "num_layers": _int_or(model.get("num_layers"), None),
-        "aux_layer_ids": model.get("aux_layer_ids") if _is_int_list(model.get("aux_layer_ids")) else layers,
+        "model": Path(str(info.get("model_path") or "")).name,
+        "hidden_size": info.get("hidden_size") if isinstance(info.get("hidden_size"), int) else None,
+        "num_layers": info.get("num_layers") if isinstance(info.get("num_layers"), int) else None,
+        "aux_layer_ids": layers if isinstance(layers, list) and all(isinstance(v, int) for v in layers) else None,
     }
 
 
-def _int_or(value: object, default: int | None) -> int | None:
-    return value if isinstance(value, int) else default
-
-
-def _is_int_list(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(v, int) for v in value)
+def _with_dump(model: dict, captured: tuple[int, list[int]] | None) -> dict:
+    """What the server does not say (SGLang: hidden size, captured layers), from the newest dump checked."""
+    if captured is None:
+        return model
+    hidden_size, layers = captured
+    return {**model, "hidden_size": model.get("hidden_size") or hidden_size,
+            "aux_layer_ids": model.get("aux_layer_ids") or layers}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
