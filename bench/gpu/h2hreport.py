@@ -63,8 +63,16 @@ def summarize(results: dict) -> dict:
         "data": {k: data.get(k) for k in ("conversations", "multi_turn", "heldout_prompts", "magpie", "wall_s")},
         "extract": {k: results.get("h2h-extract", {}).get(k) for k in ("samples", "tokens", "tokens_per_s", "wall_s")},
         "eval_settings": {k: ev.get(k) for k in ("max_new_tokens", "concurrency", "server_flags")},
-        "errors": {p: results[p]["error"] for p in PHASES if results.get(p, {}).get("error")},
+        "errors": {p: results[p]["error"] for p in PHASES if results.get(p, {}).get("error")} | eval_errors(ev),
     }
+
+
+def eval_errors(ev: dict) -> dict:
+    """Each evaluated configuration that failed, by server and prompt set."""
+    runs = {"baseline": ev.get("baseline", {})} | {f"{d} {c}": ev.get(d, {}).get(c, {}) for d in DRAFTERS
+                                                      for c in ev.get("chains", [])}  # fmt: skip
+    return {f"h2h-eval {k} {pset}": str(r["error"])[:300] for k, sets in runs.items() for pset, r in sets.items()
+            if isinstance(r, dict) and r.get("error")}  # fmt: skip
 
 
 def markdown(s: dict) -> str:

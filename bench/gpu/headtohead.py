@@ -42,16 +42,17 @@ PROMPT_TOKENS = int(os.environ.get("H2H_PROMPT_TOKENS", "128"))
 ANSWER_TOKENS = int(os.environ.get("H2H_ANSWER_TOKENS", "256"))
 GEN_CONCURRENCY = int(os.environ.get("H2H_GEN_CONCURRENCY", "256"))
 WORKERS = int(os.environ.get("H2H_WORKERS", "16"))
-EPOCHS = int(os.environ.get("H2H_EPOCHS", "3"))
+EPOCHS = int(os.environ.get("H2H_EPOCHS", "2"))
 EVAL_TOKENS = int(os.environ.get("H2H_EVAL_TOKENS", "256"))
-EVAL_CONCURRENCY = int(os.environ.get("H2H_EVAL_CONCURRENCY", "32"))
+EVAL_CONCURRENCY = int(os.environ.get("H2H_EVAL_CONCURRENCY", "64"))
 CHAINS = ((3, 1, 4), (5, 1, 6))
 TOKENS_PER_BATCH, TRAINER_HELDOUT = 2048, 0.05  # eaglet's TrainConfig defaults, which the run keeps
 
 H2H = P.ROOT / "h2h"
 SMOL = P.MODELS / "smollm2"
 SERVER = "h2h-sgl"
-PY_SPECFORGE = f"{P.S}/sfsite:{P.REPO}/bench/gpu/shims:{P.S}/site"
+# SpecForge's own environment: its staged folder, the `datasets` stand-in, SGLang 0.5.17's transformers
+PY_SPECFORGE = os.environ.get("H2H_SPECFORGE_PATH", f"{P.S}/sfsite:{P.REPO}/bench/gpu/shims:{P.S}/site")
 GEN_EXTRA = ["--mem-fraction-static", "0.6", "--cuda-graph-max-bs", "256", "--chunked-prefill-size", "8192"]
 EVAL_EXTRA = ["--mem-fraction-static", "0.5", "--disable-cuda-graph"]
 
@@ -94,6 +95,16 @@ def plugin_server() -> None:
         R["server_flags"] = " ".join(extra + P.SGL_BASE)
 
 
+HTTP_ERRORS: list[str] = []  # requests the server refused while writing the data: counted, the first kept
+
+
+def refused(r: httpx.Response) -> bool:
+    if r.status_code == 200:
+        return False
+    HTTP_ERRORS.append(f"{r.request.url.path} {r.status_code} {r.text[:200]}")
+    return True
+
+
 def fan_out(fn, items: list, concurrency: int) -> list:
     with ThreadPoolExecutor(concurrency) as ex:
         return list(ex.map(fn, items))
@@ -105,7 +116,7 @@ def sample_turns(client: httpx.Client, prefixes: list[list[int]], stop_id: int) 
     def one(ids: list[int]) -> str:
         sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": PROMPT_TOKENS, "stop_token_ids": [stop_id]}
         r = client.post("/generate", json={"input_ids": ids, "sampling_params": sp})
-        return r.json().get("text", "") if r.status_code == 200 else ""
+        return "" if refused(r) else r.json().get("text", "")
 
     return fan_out(one, prefixes, GEN_CONCURRENCY)
 
@@ -116,9 +127,7 @@ def answer(client: httpx.Client, model: str, conversations: list[list[dict]]) ->
     def one(messages: list[dict]) -> str:
         body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": ANSWER_TOKENS}
         r = client.post("/v1/chat/completions", json=body)
-        if r.status_code != 200:
-            return ""
-        return (r.json()["choices"][0]["message"].get("content") or "").strip()
+        return "" if refused(r) else (r.json()["choices"][0]["message"].get("content") or "").strip()
 
     return fan_out(one, conversations, GEN_CONCURRENCY)
 
@@ -152,6 +161,7 @@ def phase_data() -> None:
     train = [c for c in convs if not magpie.is_heldout(c["id"], frac)]
     for c, a in zip(train, answer(client, model, [c["messages"] for c in train]), strict=True):
         c["messages"].append({"role": "assistant", "content": a})
+    R["unanswered"] = sum(1 for c in train if not c["messages"][-1]["content"])
     train = [c for c in train if c["messages"][-1]["content"]]
     second = [c for c in train if random.Random(c["id"]).random() < MULTI_TURN]
     prefixes = [tok.encode(magpie.user_prefix(tok, c["messages"]), add_special_tokens=False) for c in second]
@@ -175,7 +185,8 @@ def phase_data() -> None:
             f.write(json.dumps({"id": c["id"], "prompt": c["messages"][0]["content"]}) + "\n")
     R.update(conversations=len(train), multi_turn=sum(1 for c in train if len(c["messages"]) > 2),
              heldout_prompts=len(held), second_turn_repeats=dedupe2.repeats, wall_s=round(time.time() - t0, 1),
-             example=train[0] if train else None, done=True)  # fmt: skip
+             example=train[0] if train else None, http_errors=len(HTTP_ERRORS), first_http_errors=HTTP_ERRORS[:3],
+             done=len(train) > 0)  # fmt: skip
     P.log(f"h2h-data: {len(train)} conversations, {R['multi_turn']} multi-turn, {len(held)} held out")
 
 
@@ -249,6 +260,8 @@ def run_trainer(phase: str, name: str, argv: list[str], pythonpath: str, env: di
     R["wall_s"] = round(time.time() - t, 1)
     R["rc"] = P.PROCS[name].returncode
     R["log_tail"] = P.tail(name, 40)
+    if R["rc"] not in (0, None) and "error" not in R:
+        R["error"] = f"exit {R['rc']}: {(R['log_tail'].splitlines() or [''])[-1][:300]}"
     P.stop(name)
     R["peak_gpu_GiB"] = round(mem.peak_mib / 1024, 2)
     R["probe"] = json.loads(probe.read_text()) if probe.exists() else None
@@ -268,7 +281,8 @@ def phase_eaglet() -> None:
     R.update(epochs=EPOCHS, train_samples=len(rows), train_tokens=sum(r[2] for r in rows) * EPOCHS,
              optimizer_steps=train_hash.get("step"), trainer_reported_tokens_per_s=train_hash.get("tokens_per_s"),
              drafter_dir=train_hash.get("drafter_dir"))  # fmt: skip
-    R["tokens_per_s"] = round(R["train_tokens"] / R["wall_s"], 1) if R["rc"] == 0 else None
+    probe_wall = (R.get("probe") or {}).get("wall_s")  # the trainer's own run, as for SpecForge's
+    R["tokens_per_s"] = round(R["train_tokens"] / probe_wall, 1) if R["rc"] == 0 and probe_wall else None
     R["done"] = R["rc"] == 0 and bool(R["drafter_dir"])
 
 
@@ -372,6 +386,9 @@ def phase_eval() -> None:
     base_texts = {}
     for name, ddir, chain in runs:
         key = name if chain is None else f"{name} {chain}"
+        earlier = R.get("baseline") if chain is None else R.get(name, {}).get(str(chain))
+        if earlier and not any("error" in r for r in earlier.values()):
+            continue  # measured in an earlier call
         if chain is not None and not (ddir and Path(ddir, "config.json").exists()):
             R.setdefault(name, {})[str(chain)] = {s: {"error": "no drafter"} for s in prompts}
             continue
@@ -401,7 +418,7 @@ def phase_eval() -> None:
         else:
             R.setdefault(name, {})[str(chain)] = res
         P.save("h2h-eval")
-    R["done"] = True
+    R["done"] = not h2hreport.eval_errors(R)  # a later call measures what failed here
 
 
 def phase_report() -> None:
@@ -418,7 +435,7 @@ PHASES = {
     "h2h-eval": phase_eval,
     "h2h-report": phase_report,
 }
-ESTIMATE_S = {"h2h-data": 200, "h2h-extract": 200, "h2h-eaglet": 200, "h2h-specforge": 300, "h2h-eval": 420,
+ESTIMATE_S = {"h2h-data": 240, "h2h-extract": 240, "h2h-eaglet": 300, "h2h-specforge": 330, "h2h-eval": 450,
               "h2h-report": 5}  # fmt: skip
 
 if __name__ == "__main__":

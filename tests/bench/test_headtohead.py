@@ -116,6 +116,8 @@ def _write_phases(out, with_specforge=True):
         (out / "h2h-specforge.json").write_text(json.dumps({"tokens_per_s": 45000.0, "peak_gpu_GiB": 20.0}))
     else:
         (out / "h2h-specforge.json").write_text(json.dumps({"error": "RuntimeError: boom", "rc": 1}))
+        ev["specforge"]["(3, 1, 4)"]["humaneval"] = {"error": "no drafter"}
+        (out / "h2h-eval.json").write_text(json.dumps(ev))
 
 
 def test_report_table_and_ratios(tmp_path):
@@ -132,7 +134,11 @@ def test_report_table_and_ratios(tmp_path):
 def test_report_of_a_partial_run_shows_what_failed(tmp_path):
     _write_phases(tmp_path, with_specforge=False)
     s = h2hreport.write(tmp_path, tmp_path)
-    assert s["ratios"]["trainer tokens/s"] is None and s["errors"] == {"h2h-specforge": "RuntimeError: boom"}
+    assert s["ratios"]["trainer tokens/s"] is None and s["ratios"]["accept_length (3, 1, 4) humaneval"] is None
+    assert s["errors"] == {
+        "h2h-specforge": "RuntimeError: boom",
+        "h2h-eval specforge (3, 1, 4) humaneval": "no drafter",
+    }
     assert "h2h-specforge: RuntimeError: boom" in (tmp_path / "gpu-headtohead.md").read_text()
 
 
