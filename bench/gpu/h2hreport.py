@@ -108,7 +108,7 @@ def markdown(s: dict) -> str:
     lines += ["", "Ratios (eaglet / SpecForge; aims: accept length >= 1.05, trainer tokens/s >= 1.5):", ""]
     lines += [f"- {k}: {fmt(v, 3)}" for k, v in s["ratios"].items()]
     if s["errors"]:
-        lines += ["", "Failed phases:", ""] + [f"- {p}: {e}" for p, e in s["errors"].items()]
+        lines += ["", "Failed phases:", ""] + [f"- {p}: {' '.join(str(e).split())}" for p, e in s["errors"].items()]
     return "\n".join(lines) + "\n"
 
 
