@@ -1,0 +1,67 @@
+"""headtohead.py's phases on a CPU machine, ahead of the GPU run: eaglet's reference server on a tiny Llama (with
+SmolLM2's tokenizer) stands in for SGLang, the demo conversations for the Magpie data.
+
+    GPUBENCH_ROOT=DIR OUT=DIR/out H2H_EPOCHS=1 H2H_WORKERS=2 python bench/gpu/headtohead_cpu.py PHASE...
+
+Checks what runs without a GPU: ingest, extraction and the store, the training split, the conversion to
+SpecForge's features and its run config, the trainers' launch, deadlines and failure records, the HumanEval
+prompts, the results file. `h2h-data` and the SGLang servers of `h2h-eval` need the GPU machine; SpecForge's
+training needs its environment (H2H_SPECFORGE_PATH) and, past its FSDP wrapping, a GPU. Redis: the
+redis-server on PATH, on GPUBENCH_REDIS_PORT.
+"""
+
+import gzip
+import json
+import shutil
+import sys
+
+import headtohead as H
+import phases as P
+
+from eaglet.shared.target import make_tiny_llama, resolve_model_dir
+
+
+def prepare() -> None:
+    """The tiny target, Redis, the HumanEval prompts and the demo conversations where the GPU run has its own."""
+    if not (H.SMOL / "config.json").exists():
+        make_tiny_llama(H.SMOL, resolve_model_dir("smollm2", P.REPO / "var" / "models"))
+    redis = P.S / "redis" / "bin" / "redis-server"
+    if not redis.exists():
+        redis.parent.mkdir(parents=True, exist_ok=True)
+        redis.symlink_to(shutil.which("redis-server"))
+    humaneval = P.S / "humaneval" / "HumanEval.jsonl.gz"
+    if not humaneval.exists():
+        humaneval.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(P.REPO / ".stage" / "p3" / "HumanEval.jsonl.gz", humaneval)
+    H.H2H.mkdir(parents=True, exist_ok=True)
+    shutil.copy(P.REPO / "data" / "demo" / "train.jsonl", H.H2H / "train.jsonl")
+    with open(H.H2H / "heldout.jsonl", "w") as f:
+        for line in open(P.REPO / "data" / "demo" / "eval.jsonl"):
+            c = json.loads(line)
+            f.write(json.dumps({"id": c["id"], "prompt": c["messages"][0]["content"]}) + "\n")
+    with gzip.open(humaneval, "rt") as f:
+        assert sum(1 for _ in f) == 164
+    P.RESULTS.setdefault("h2h-data", {}).update(done=True, conversations=300, heldout_prompts=40)
+
+
+def reference_server() -> None:
+    """eaglet's reference server where the plugin server would be: headtohead's extraction uses it as it is."""
+    P.redis_up()
+    env = {"EAGLET_MODEL": str(H.SMOL), "EAGLET_DUMP_DIR": str(P.DUMPS), "EAGLET_DEVICE": "cpu",
+           "EAGLET_HOST": "127.0.0.1"}  # fmt: skip
+    argv = [sys.executable, "-m", "eaglet.services.inference.main", "--port", str(P.SGL_PORT)]
+    P.start(H.SERVER, argv, P.PY_EAGLET, env)
+    P.wait_health(H.SERVER, P.SGL_PORT, 120)
+
+
+if __name__ == "__main__":
+    state = P.ROOT / "gpubench-results.json"
+    if state.exists():
+        P.RESULTS.update(json.loads(state.read_text()))
+    prepare()
+    state.write_text(json.dumps(P.RESULTS, default=str))
+    if "h2h-extract" in sys.argv and not P.RESULTS.get("h2h-extract", {}).get("done"):
+        reference_server()
+    P.PHASES.update(H.PHASES)
+    P.ESTIMATE_S.update(H.ESTIMATE_S)
+    raise SystemExit(P.main())
