@@ -1,9 +1,10 @@
 """``eaglet demo``: the whole job on the bundled SmolLM2-135M-Instruct, on this machine.
 
 Starts Redis (if none answers), the reference inference server, an ingest worker and two extractor
-workers as local processes, creates a run of the demo conversations and queues its ingest (as the
-gateway's ``POST /runs`` does), extracts every sample's hidden states, then trains a drafter and
-measures its acceptance length. Ends by saying where everything is.
+workers as local processes. First regenerates the answers of a few demo prompts through the regeneration
+stage (the server's ``/v1/chat/completions``, the same client path as SGLang or a hosted API), then creates a run
+of the demo conversations and queues its ingest (as the gateway's ``POST /runs`` does), extracts every sample's
+hidden states, then trains a drafter and measures its acceptance length. Ends by saying where everything is.
 """
 
 import argparse
@@ -18,15 +19,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from eaglet.cli.stack import LocalStack
 from eaglet.services.ingest.runs import create_run
+from eaglet.services.regenerate import progress as regeneration
+from eaglet.services.regenerate.jobs import plan_run
 from eaglet.shared.config import Settings
 from eaglet.shared.jobqueue import enqueue_ingest
-from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.runoptions import RegenerateOptions, RunOptions
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.store import drafter_dir, hidden_dir, run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_TRAIN = ROOT / "data" / "demo" / "train.jsonl"
 DEMO_EVAL = ROOT / "data" / "demo" / "eval.jsonl"
+DEMO_PROMPTS = ROOT / "data" / "demo" / "prompts-train.jsonl"  # the prompts of DEMO_TRAIN, whose answers SmolLM2 wrote
+# A few prompts with short answers: a CPU writes SmolLM2's answers at a few tokens/s per prompt, so regenerating all
+# 300 at full length would take most of an hour; the training set's answers were written by SmolLM2 the same way.
+DEMO_REGENERATE = RegenerateOptions(max_tokens=32, concurrency=4, batch_prompts=4, stop_after=True)
 # Sized for a 2-core CPU: a few minutes of training, a short evaluation. A GPU run uses the defaults.
 # A small drafter learns from 59 k tokens only with a higher rate and small batches (many updates).
 DEMO_TRAIN_FLAGS = ["--ttt-steps", "2", "--draft-vocab-size", "4096", "--epochs", "3", "--max-len", "512"]
@@ -44,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateway-port", type=int, default=8000)
     parser.add_argument("--max-steps", type=int, default=0, help="cap the training steps (0: the epochs decide)")
     parser.add_argument("--eval-prompts", type=int, default=10, help="held-out prompts to decode speculatively")
+    parser.add_argument("--regenerate-prompts", type=int, default=12,
+                        help="demo prompts answered again through the regeneration stage (0: skip)")  # fmt: skip
     args = parser.parse_args(argv)
     console = Console()
     settings = Settings(inference_url=f"http://127.0.0.1:{args.port}")
@@ -61,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         stack.start("ingest", "eaglet.services.ingest.worker", "--name", "demo-ingest")
         for i in range(args.workers):
             stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"demo-worker-{i}")
+        if args.regenerate_prompts > 0:
+            _regenerate(console, redis, settings, f"{run_id}-regenerate", args.regenerate_prompts, stack.log_dir)
+        else:
+            console.print("regeneration skipped (--regenerate-prompts 0): the demo answers are SmolLM2's already")
         state = create_run(redis, run_id, args.dataset, RunOptions(max_tokens=2048, limit=args.limit))
         enqueue_ingest(Redis.from_url(settings.redis_url), run_id)  # RQ's jobs are pickled bytes: a client of its own
         total = _wait_for_ingest(console, state, stack.log_dir)
@@ -73,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         _report_extraction(console, state, settings)
         trained = _train_and_evaluate(console, run_id, args.max_steps, args.eval_prompts, stack.log_dir)
         _report_training(console, state, settings)
-    return 0 if trained and state.stage() == Stage.done else 1
+        done = state.stage() == Stage.done  # read before the stack stops a Redis it started itself
+    return 0 if trained and done else 1
 
 
 def _train_and_evaluate(console: Console, run_id: str, max_steps: int, eval_prompts: int, log_dir: Path) -> bool:
@@ -90,6 +104,31 @@ def _train_and_evaluate(console: Console, run_id: str, max_steps: int, eval_prom
     if done.returncode != 0:
         console.print(f"[red]training failed[/]: see {log_dir / 'trainer.log'}")
     return done.returncode == 0
+
+
+def _regenerate(console: Console, redis: Redis, settings: Settings, run_id: str, n: int, log_dir: Path) -> None:
+    """A run that only regenerates: the first ``n`` demo prompts answered by the target through the stage."""
+    source = log_dir / "regenerate-input.jsonl"
+    with open(DEMO_PROMPTS) as f:
+        source.write_text("".join(line for _, line in zip(range(n), f, strict=False)))
+    state = create_run(redis, run_id, source, RunOptions(regenerate=DEMO_REGENERATE))
+    started = time.monotonic()
+    plan_run(redis, Redis.from_url(settings.redis_url), run_id)
+    progress = regeneration.Progress(redis, run_id)
+    with console.status(f"regenerating {n} prompts' answers with the target (run {run_id})"):
+        while state.stage() == Stage.regenerating:
+            time.sleep(0.2)
+    seconds, counts, meta = time.monotonic() - started, progress.counts(), state.meta()
+    if meta.stage != Stage.done:
+        console.print(f"[red]regeneration {meta.stage}[/]: {meta.error} (see {log_dir})")
+        return
+    console.print(
+        f"regenerated {counts.get('done', 0)} prompts ({counts.get('failed', 0)} failed) in {seconds:.1f}s: "
+        f"{counts.get('done', 0) / seconds:.2f} prompts/s, {counts.get('tokens_out', 0) / seconds:.1f} tokens/s out "
+        f"(max {DEMO_REGENERATE.max_tokens} new tokens each) → {meta.dataset}"
+    )
+    console.print("training on the 300 demo conversations as shipped: their answers are SmolLM2's own, written the "
+                  "same way at full length (a CPU takes most of an hour for all of them)")  # fmt: skip
 
 
 def _wait_for_ingest(console: Console, state: RunState, log_dir: Path) -> int | None:

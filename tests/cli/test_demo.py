@@ -1,4 +1,5 @@
-"""``eaglet demo`` end to end, as a newcomer runs it, on the tiny Llama: ingest → extract → train → eval."""
+"""``eaglet demo`` end to end, as a newcomer runs it, on the tiny Llama: regenerate → ingest → extract → train →
+eval."""
 
 import os
 import subprocess
@@ -26,6 +27,8 @@ def test_demo_runs_to_a_drafter_and_its_acceptance_length(tmp_path, redis_server
         "2",
         "--eval-prompts",
         "3",
+        "--regenerate-prompts",
+        "3",
         "--port",
         str(free_port()),
         "--gateway-port",
@@ -43,6 +46,10 @@ def test_demo_runs_to_a_drafter_and_its_acceptance_length(tmp_path, redis_server
     assert done.returncode == 0, out
     assert "extraction complete: 12 done, 0 failed" in out
     assert "acceptance length" in out and "outputs equal plain greedy: yes" in out
-    [run_dir] = (tmp_path / "data" / "runs").iterdir()
+    assert "regenerated 3 prompts (0 failed)" in out
+    runs = sorted((tmp_path / "data" / "runs").iterdir())
+    [run_dir] = [r for r in runs if not r.name.endswith("-regenerate")]
+    [regenerated] = [r / "regenerated.jsonl" for r in runs if r.name.endswith("-regenerate")]
+    assert len(regenerated.read_text().splitlines()) == 3
     assert (run_dir / "drafter" / "config.json").is_file() and (run_dir / "drafter" / "model.safetensors").is_file()
     assert len(list((run_dir / "hidden").rglob("*.safetensors"))) == 12
