@@ -45,6 +45,8 @@ def ingest_run(redis: Redis, settings: Settings, run_id: str) -> IngestResult:
     meta = state.meta()
     if meta.dataset is None or meta.total is not None or meta.stage not in ACTIVE_STAGES:
         raise NoIngestToTakeUp(f"run {run_id!r} has no ingest to take up (stage {meta.stage})")
+    if meta.stage == Stage.regenerating:
+        raise NoIngestToTakeUp(f"run {run_id!r} is regenerating: its ingest starts once its new dataset is written")
     cursor = IngestResult(**meta.ingest_cursor) if meta.ingest_cursor else None
     if cursor:
         log.info("run %s: ingest taken up again at line %d", run_id, cursor.lines)

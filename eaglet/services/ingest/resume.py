@@ -1,4 +1,5 @@
-"""Ingests whose process died: queued again, to be taken up from their last flush, or given up.
+"""Ingests whose process died: queued again, to be taken up from their last flush, or given up. The planning of a
+regeneration whose process died is queued again too: it starts over, as it is idempotent.
 
 An ingest job runs for as long as its dataset takes to read (hours for a large one). Its worker killed, RQ
 would call the job abandoned only once its timeout had passed; so live ingest workers sweep the control
@@ -18,9 +19,16 @@ from rq.utils import parse_composite_key
 
 from eaglet.services.ingest.jobs import fail_ingest
 from eaglet.shared import heartbeats
-from eaglet.shared.jobqueue import INGEST_JOB, enqueue_ingest, owner_alive, owner_of
+from eaglet.shared.jobqueue import (
+    INGEST_JOB,
+    REGEN_PLAN_JOB,
+    enqueue_ingest,
+    enqueue_regeneration,
+    owner_alive,
+    owner_of,
+)
 from eaglet.shared.keys import CONTROL_QUEUE
-from eaglet.shared.records import FINISHED_STAGES
+from eaglet.shared.records import FINISHED_STAGES, Stage
 from eaglet.shared.runstate import RunState
 
 log = logging.getLogger(__name__)
@@ -39,7 +47,7 @@ def resume_dead_ingests(redis: Redis, rq_redis: Redis, *, instance: str, lost_af
         except NoSuchJobError:
             continue
         owner = owner_of(job.worker_name or "")
-        if job.func_name != INGEST_JOB or owner is None:
+        if job.func_name not in (INGEST_JOB, REGEN_PLAN_JOB) or owner is None:
             continue
         if owner_alive(owner, beats, lost_after_s=lost_after_s, instance=instance):
             continue
@@ -47,7 +55,12 @@ def resume_dead_ingests(redis: Redis, rq_redis: Redis, *, instance: str, lost_af
             continue  # another worker's sweep got it first
         found += 1
         job.delete()
-        _take_up(RunState(redis, job.args[0]), owner[0], rq_redis, max_lost)
+        state = RunState(redis, job.args[0])
+        if job.func_name == REGEN_PLAN_JOB:  # planning is idempotent: it starts over
+            if state.stage() == Stage.regenerating:
+                enqueue_regeneration(rq_redis, state.run_id)
+            continue
+        _take_up(state, owner[0], rq_redis, max_lost)
     return found
 
 
