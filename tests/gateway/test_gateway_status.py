@@ -21,8 +21,11 @@ def check_extraction(run: dict, fake, generated_at: float, started_at: float) ->
     elapsed = generated_at - started_at
     assert ex["samples_per_s"] == pytest.approx(t.done / elapsed, rel=1e-6)
     assert ex["tokens_per_s"] == pytest.approx(t.tokens / elapsed, rel=1e-6)
+    # Tokens left: the run's, less those stored, less the failed samples' at the run's mean length.
+    left = 0 if t.done + t.failed == t.total else round(t.total_tokens - t.tokens - t.failed * t.total_tokens / t.total)
+    assert ex["tokens_remaining"] == left
     if t.done:
-        assert ex["eta_s"] == pytest.approx((t.total - t.done - t.failed) / (t.done / elapsed), rel=1e-6)
+        assert ex["eta_s"] == pytest.approx(left / (t.tokens / elapsed), rel=1e-6)
     if t.done + t.failed:
         assert ex["error_rate"] == pytest.approx(t.failed / (t.done + t.failed))
     assert (st["bytes_written"], st["tokens_written"], st["total_tokens"]) == (t.nbytes, t.tokens, t.total_tokens)
