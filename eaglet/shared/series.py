@@ -4,7 +4,7 @@ A series holds at most ``SERIES_CAP`` points, whatever the run's length. A point
 later bucket of the series' interval than the newest one; when a write makes the series one point too long, every
 other point is dropped and the interval doubles (or widens to the spacing of the points kept, if they were
 sparser), in the same Lua script. So the whole run stays visible, from its first point to its newest, at a
-resolution that halves as it grows: a 10-hour extraction sampled every 2 s keeps a point every ~160 s.
+resolution that halves as it grows: a 10-hour extraction sampled every 2 s keeps a point every 2-4 minutes.
 
     extraction   ExtractionPoint by unix time: the figures ``read_status`` computes, recorded by the gateway
                  (eaglet/services/gateway/recorder.py) while the run ingests or extracts, and once when it ends
