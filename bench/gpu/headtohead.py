@@ -5,9 +5,10 @@
 
 Phases (each skipped when an earlier call finished it; state in $GPUBENCH_ROOT/gpubench-results.json):
   h2h-data       SGLang with eaglet's plugin on the real SmolLM2; the target writes its own prompts (Magpie:
-                 sampled from its chat template's user prefix, deduplicated, filtered), answers them greedily
-                 through /v1/chat/completions, a share of conversations gets a second user turn and answer;
-                 a held-out share of prompts is set apart and never ingested.
+                 sampled from its chat template's user prefix, deduplicated, filtered); a share of conversations
+                 gets a second user turn, sampled after the target's first answer; eaglet's regeneration stage
+                 (extractor workers -> the server's /v1/chat/completions, greedy) answers every user turn; a
+                 held-out share of prompts is set apart and never ingested.
   h2h-extract    the conversations through eaglet: ingest, the same server with the plugin, extractor workers,
                  the store.
   h2h-eaglet     eaglet's trainer, default recipe, H2H_EPOCHS epochs (checkpoints only at the end).
@@ -164,35 +165,65 @@ def phase_data() -> None:
     frac = HELDOUT / want
     held = [c for c in convs if magpie.is_heldout(c["id"], frac)]
     train = [c for c in convs if not magpie.is_heldout(c["id"], frac)]
-    for c, a in zip(train, answer(client, model, [c["messages"] for c in train]), strict=True):
-        c["messages"].append({"role": "assistant", "content": a})
-    R["unanswered"] = sum(1 for c in train if not c["messages"][-1]["content"])
-    train = [c for c in train if c["messages"][-1]["content"]]
+    # a second user turn is sampled after the target's first answer: those first answers are needed here
     second = [c for c in train if random.Random(c["id"]).random() < MULTI_TURN]
+    for c, a in zip(second, answer(client, model, [c["messages"] for c in second]), strict=True):
+        c["messages"].append({"role": "assistant", "content": a})
+    second = [c for c in second if c["messages"][-1]["content"]]
     prefixes = [tok.encode(magpie.user_prefix(tok, c["messages"]), add_special_tokens=False) for c in second]
-    dedupe2, multi = magpie.Deduper(), []
+    dedupe2 = magpie.Deduper()
     for c, raw in zip(second, sample_turns(client, prefixes, stop_id), strict=True):
         turn = magpie.clean_turn(raw)
         if turn is not None and dedupe2.keep(turn):
-            multi.append(c)
             c["messages"].append({"role": "user", "content": turn})
-    for c, a in zip(multi, answer(client, model, [c["messages"] for c in multi]), strict=True):
-        if a:
-            c["messages"].append({"role": "assistant", "content": a})
-        else:
-            c["messages"].pop()  # an unanswered second turn is dropped, the first exchange kept
     H2H.mkdir(parents=True, exist_ok=True)
-    with open(H2H / "train.jsonl", "w") as f:
-        for c in train:
-            f.write(json.dumps(c) + "\n")
+    with open(H2H / "prompts.jsonl", "w") as f:
+        for c in train:  # every user turn is answered again by the regeneration stage, earlier answers dropped
+            f.write(json.dumps({"id": c["id"], "messages": [m for m in c["messages"] if m["role"] == "user"]}) + "\n")
     with open(H2H / "heldout.jsonl", "w") as f:
         for c in held:
             f.write(json.dumps({"id": c["id"], "prompt": c["messages"][0]["content"]}) + "\n")
-    R.update(conversations=len(train), multi_turn=sum(1 for c in train if len(c["messages"]) > 2),
+    R["regenerate"] = regenerate(H2H / "prompts.jsonl", H2H / "train.jsonl")
+    convs = [json.loads(line) for line in open(H2H / "train.jsonl")]
+    R.update(conversations=len(convs), multi_turn=sum(1 for c in convs if len(c["messages"]) > 2),
              heldout_prompts=len(held), second_turn_repeats=dedupe2.repeats, wall_s=round(time.time() - t0, 1),
-             example=train[0] if train else None, http_errors=len(HTTP_ERRORS), first_http_errors=HTTP_ERRORS[:3],
-             done=len(train) > 0)  # fmt: skip
-    P.log(f"h2h-data: {len(train)} conversations, {R['multi_turn']} multi-turn, {len(held)} held out")
+             example=convs[0] if convs else None, http_errors=len(HTTP_ERRORS), first_http_errors=HTTP_ERRORS[:3],
+             done=len(convs) > 0)  # fmt: skip
+    P.log(f"h2h-data: {len(convs)} conversations, {R['multi_turn']} multi-turn, {len(held)} held out")
+
+
+def regenerate(source: Path, out: Path) -> dict:
+    """Every user turn of ``source`` answered by eaglet's regeneration stage (a run that stops once its file is
+    written): the extractor workers send them to the server's /v1/chat/completions, greedy, each turn after the
+    target's own earlier answers. Writes the conversations to ``out``; returns the stage's counts."""
+    from redis import Redis
+
+    from eaglet.services.ingest.runs import create_run
+    from eaglet.services.regenerate.jobs import plan_run
+    from eaglet.services.regenerate.progress import Progress
+    from eaglet.services.regenerate.results import output_path
+    from eaglet.shared.runoptions import RegenerateOptions, RunOptions
+    from eaglet.shared.runstate import Stage
+
+    os.environ.update(P.eaglet_env(SMOL, P.SGL_PORT))
+    redis, rq_redis = Redis.from_url(P.REDIS_URL, decode_responses=True), Redis.from_url(P.REDIS_URL)
+    run_id = f"h2h-regen-{int(time.time())}"
+    options = RegenerateOptions(max_tokens=ANSWER_TOKENS, concurrency=max(1, GEN_CONCURRENCY // WORKERS),
+                                stop_after=True)  # fmt: skip
+    names = P.start_workers(run_id, SMOL, P.SGL_PORT, WORKERS)
+    t = time.time()
+    state = create_run(redis, run_id, source, RunOptions(regenerate=options))
+    plan_run(redis, rq_redis, run_id)
+    timeout = min(float(os.environ.get("H2H_REGENERATE_TIMEOUT", "420")), time_left(30))
+    while state.stage() == Stage.regenerating and time.time() - t < timeout:
+        time.sleep(0.2)
+    for n in names:
+        P.stop(n, 10)
+    counts = Progress(redis, run_id).counts()
+    if state.stage() != Stage.done:
+        raise RuntimeError(f"regeneration run {run_id}: stage {state.stage()} after {time.time() - t:.0f}s, {counts}")
+    os.replace(output_path(P.DATA, run_id), out)
+    return {"run": run_id, "wall_s": round(time.time() - t, 1), "options": str(options), **counts}
 
 
 def phase_extract() -> None:

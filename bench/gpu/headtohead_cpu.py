@@ -1,11 +1,12 @@
 """headtohead.py's phases on a CPU machine, ahead of the GPU run: eaglet's reference server on a tiny Llama (with
-SmolLM2's tokenizer) stands in for SGLang, the demo conversations for the Magpie data.
+SmolLM2's tokenizer) stands in for SGLang, the demo conversations' user turns for the Magpie prompts (answered
+through eaglet's regeneration stage as on the GPU machine).
 
     GPUBENCH_ROOT=DIR OUT=DIR/out H2H_EPOCHS=1 H2H_WORKERS=2 python bench/gpu/headtohead_cpu.py PHASE...
 
-Checks what runs without a GPU: ingest, extraction and the store, the training split, the conversion to
+Checks what runs without a GPU: regeneration, ingest, extraction and the store, the training split, the conversion to
 SpecForge's features and its run config, the trainers' launch, deadlines and failure records, the HumanEval
-prompts, the results file. `h2h-data` and the SGLang servers of `h2h-eval` need the GPU machine; SpecForge's
+prompts, the results file. Magpie sampling and the SGLang servers of `h2h-eval` need the GPU machine; SpecForge's
 training needs its environment (H2H_SPECFORGE_PATH) and, past its FSDP wrapping, a GPU. Redis: the
 redis-server on PATH, on GPUBENCH_REDIS_PORT.
 """
@@ -22,7 +23,7 @@ from eaglet.shared.target import make_tiny_llama, resolve_model_dir
 
 
 def prepare() -> None:
-    """The tiny target, Redis, the HumanEval prompts and the demo conversations where the GPU run has its own."""
+    """The tiny target, Redis and the HumanEval prompts where the GPU run has its own."""
     if not (H.SMOL / "config.json").exists():
         make_tiny_llama(H.SMOL, resolve_model_dir("smollm2", P.REPO / "var" / "models"))
     redis = P.S / "redis" / "bin" / "redis-server"
@@ -33,15 +34,29 @@ def prepare() -> None:
     if not humaneval.exists():
         humaneval.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(P.REPO / ".stage" / "p3" / "HumanEval.jsonl.gz", humaneval)
+    with gzip.open(humaneval, "rt") as f:
+        assert sum(1 for _ in f) == 164
+
+
+def data() -> None:
+    """h2h-data without SGLang: the demo's user turns (every fifth with a second one) through the regeneration
+    stage; the demo's held-out prompts."""
     H.H2H.mkdir(parents=True, exist_ok=True)
-    shutil.copy(P.REPO / "data" / "demo" / "train.jsonl", H.H2H / "train.jsonl")
+    with open(H.H2H / "prompts.jsonl", "w") as f:
+        for i, line in enumerate(open(P.REPO / "data" / "demo" / "train.jsonl")):
+            c = json.loads(line)
+            turns = [{"role": "user", "content": c["messages"][0]["content"]}]
+            if i % 5 == 0:
+                turns.append({"role": "user", "content": "Say that again in one sentence."})
+            f.write(json.dumps({"id": c["id"], "messages": turns}) + "\n")
     with open(H.H2H / "heldout.jsonl", "w") as f:
         for line in open(P.REPO / "data" / "demo" / "eval.jsonl"):
             c = json.loads(line)
             f.write(json.dumps({"id": c["id"], "prompt": c["messages"][0]["content"]}) + "\n")
-    with gzip.open(humaneval, "rt") as f:
-        assert sum(1 for _ in f) == 164
-    P.RESULTS.setdefault("h2h-data", {}).update(done=True, conversations=300, heldout_prompts=40)
+    R = P.RESULTS.setdefault("h2h-data", {})
+    R["regenerate"] = H.regenerate(H.H2H / "prompts.jsonl", H.H2H / "train.jsonl")
+    convs = [json.loads(line) for line in open(H.H2H / "train.jsonl")]
+    R.update(conversations=len(convs), multi_turn=sum(1 for c in convs if len(c["messages"]) > 2), done=True)
 
 
 def reference_server() -> None:
@@ -59,9 +74,13 @@ if __name__ == "__main__":
     if state.exists():
         P.RESULTS.update(json.loads(state.read_text()))
     prepare()
-    state.write_text(json.dumps(P.RESULTS, default=str))
-    if "h2h-extract" in sys.argv and not P.RESULTS.get("h2h-extract", {}).get("done"):
+    if not P.RESULTS.get("h2h-data", {}).get("done") or (
+        "h2h-extract" in sys.argv and not P.RESULTS.get("h2h-extract", {}).get("done")
+    ):
         reference_server()
+    if not P.RESULTS.get("h2h-data", {}).get("done"):
+        data()
+    state.write_text(json.dumps(P.RESULTS, default=str))
     P.PHASES.update(H.PHASES)
     P.ESTIMATE_S.update(H.ESTIMATE_S)
     raise SystemExit(P.main())

@@ -248,29 +248,13 @@ def pipeline(
     from redis import Redis
 
     from eaglet.services.ingest.jobs import ingest_new_run
-    from eaglet.shared import heartbeats
     from eaglet.shared.config import Settings
     from eaglet.shared.keys import RunKeys
     from eaglet.shared.runoptions import RunOptions
     from eaglet.shared.runstate import RunState
 
     redis = Redis.from_url(REDIS_URL, decode_responses=True)
-    DATA.mkdir(parents=True, exist_ok=True)  # the workers' heartbeat reads its free space
-    names = [f"{run_id}-w{i}" for i in range(workers)]
-    for n in names:
-        start(
-            n,
-            [sys.executable, "-m", "eaglet.services.extractor.worker", "--name", n],
-            PY_EAGLET,
-            eaglet_env(model, port, store),
-        )
-    t = time.time()
-    while time.time() - t < 45:
-        alive = set(heartbeats.workers(redis))
-        if sum(1 for n in names if n in alive) == workers or len(heartbeats.workers(redis)) >= workers:
-            break
-        time.sleep(0.5)
-    log(f"{run_id}: {workers} workers up in {time.time() - t:.0f}s")
+    names = start_workers(run_id, model, port, workers, store)
     t_start = time.time()
     res = ingest_new_run(redis, Settings(), run_id, dataset, RunOptions(max_tokens=max_tokens))
     state = RunState(redis, run_id)
@@ -312,6 +296,34 @@ def pipeline(
     }
     log(f"{run_id}: {json.dumps(out)[:600]}")
     return out
+
+
+def start_workers(prefix: str, model: Path, port: int, workers: int, store: str = "model") -> list[str]:
+    """Extractor worker processes (they take a run's regeneration and extraction jobs), waited on until their
+    heartbeats show; returns their names."""
+    sys.path[:0] = [str(REPO), f"{S}/esite"]
+    from redis import Redis
+
+    from eaglet.shared import heartbeats
+
+    redis = Redis.from_url(REDIS_URL, decode_responses=True)
+    DATA.mkdir(parents=True, exist_ok=True)  # the workers' heartbeat reads its free space
+    names = [f"{prefix}-w{i}" for i in range(workers)]
+    for n in names:
+        start(
+            n,
+            [sys.executable, "-m", "eaglet.services.extractor.worker", "--name", n],
+            PY_EAGLET,
+            eaglet_env(model, port, store),
+        )
+    t = time.time()
+    while time.time() - t < 45:
+        alive = set(heartbeats.workers(redis))
+        if sum(1 for n in names if n in alive) == workers or len(heartbeats.workers(redis)) >= workers:
+            break
+        time.sleep(0.5)
+    log(f"{prefix}: {workers} workers up in {time.time() - t:.0f}s")
+    return names
 
 
 def remove_stored(state, dataset: Path, total: int, removed: list[int]) -> None:
