@@ -481,7 +481,7 @@ PHASES = {
     "h2h-eval": phase_eval,
     "h2h-report": phase_report,
 }
-ESTIMATE_S = {"h2h-data": 240, "h2h-extract": 300, "h2h-eaglet": 300, "h2h-specforge": 330, "h2h-eval": 450,
+ESTIMATE_S = {"h2h-data": 300, "h2h-extract": 300, "h2h-eaglet": 300, "h2h-specforge": 330, "h2h-eval": 450,
               "h2h-report": 5}  # fmt: skip
 
 if __name__ == "__main__":
