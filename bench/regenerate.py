@@ -84,6 +84,7 @@ def main() -> int:
     p.add_argument("--batch-prompts", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--result", default="regenerate", help="results to bench/results/cpu-RESULT.json")
     args = p.parse_args()
     before = load()
     folder = Path(tempfile.mkdtemp(prefix="eaglet-bench-regen-"))
@@ -129,7 +130,7 @@ def main() -> int:
         "phases": phases,
     }  # fmt: skip
     command = "python bench/regenerate.py " + " ".join(sys.argv[1:])
-    out = save_result("regenerate", command.strip(), figures, before)
+    out = save_result(args.result, command.strip(), figures, before)
     print(json.dumps({k: v for k, v in figures.items() if k != "phases"}, indent=2))
     print(f"written to {out}")
     return 0

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO_TRAIN = ROOT / "data" / "demo" / "train.jsonl"
 DEMO_EVAL = ROOT / "data" / "demo" / "eval.jsonl"
 DEMO_PROMPTS = ROOT / "data" / "demo" / "prompts-train.jsonl"  # the prompts of DEMO_TRAIN, whose answers SmolLM2 wrote
-# A few prompts with short answers: a CPU writes SmolLM2's answers at a few tokens/s per prompt, so regenerating all
-# 300 at full length would take most of an hour; the training set's answers were written by SmolLM2 the same way.
+# A few prompts with short answers: two CPU cores write SmolLM2's answers at ~60 tokens/s in all, so regenerating all
+# 300 at full length would add about ten minutes; the training set's answers were written by SmolLM2 the same way.
 DEMO_REGENERATE = RegenerateOptions(max_tokens=32, concurrency=4, batch_prompts=4, stop_after=True)
 # Sized for a 2-core CPU: a few minutes of training, a short evaluation. A GPU run uses the defaults.
 # A small drafter learns from 59 k tokens only with a higher rate and small batches (many updates).
@@ -128,7 +128,7 @@ def _regenerate(console: Console, redis: Redis, settings: Settings, run_id: str,
         f"(max {DEMO_REGENERATE.max_tokens} new tokens each) → {meta.dataset}"
     )
     console.print("training on the 300 demo conversations as shipped: their answers are SmolLM2's own, written the "
-                  "same way at full length (a CPU takes most of an hour for all of them)")  # fmt: skip
+                  "same way at full length (all of them would add about ten minutes on two CPU cores)")  # fmt: skip
 
 
 def _wait_for_ingest(console: Console, state: RunState, log_dir: Path) -> int | None:
