@@ -1,5 +1,6 @@
 """Ingests whose process died: queued again, to be taken up from their last flush, or given up. The planning of a
-regeneration whose process died is queued again too: it starts over, as it is idempotent.
+regeneration whose process died is queued again too: it starts over, as it is idempotent; and so is the ingest of a
+run whose regeneration was finished by a worker that died before it queued the ingest.
 
 An ingest job runs for as long as its dataset takes to read (hours for a large one). Its worker killed, RQ
 would call the job abandoned only once its timeout had passed; so live ingest workers sweep the control
@@ -10,6 +11,7 @@ unless the run's ingest has died ``max_lost`` times, in which case the run ends 
 """
 
 import logging
+import time
 
 from redis import Redis
 from rq.exceptions import NoSuchJobError
@@ -18,12 +20,13 @@ from rq.registry import StartedJobRegistry
 from rq.utils import parse_composite_key
 
 from eaglet.services.ingest.jobs import fail_ingest
-from eaglet.shared import heartbeats
+from eaglet.shared import heartbeats, keys
 from eaglet.shared.jobqueue import (
     INGEST_JOB,
     REGEN_PLAN_JOB,
     enqueue_ingest,
     enqueue_regeneration,
+    job_id,
     owner_alive,
     owner_of,
 )
@@ -61,6 +64,28 @@ def resume_dead_ingests(redis: Redis, rq_redis: Redis, *, instance: str, lost_af
                 enqueue_regeneration(rq_redis, state.run_id)
             continue
         _take_up(state, owner[0], rq_redis, max_lost)
+    return found + _queue_lost_handoffs(redis, rq_redis, lost_after_s)
+
+
+def _queue_lost_handoffs(redis: Redis, rq_redis: Redis, lost_after_s: float) -> int:
+    """Runs that regeneration handed to ingest whose ingest was never queued: the worker that moved the stage died
+    before it queued the job. One meta read per registered run: O(runs), never O(samples)."""
+    found = 0
+    for run_id in redis.zrange(keys.RUNS, 0, -1):
+        meta = RunState(redis, run_id).meta()
+        handed = meta.stage == Stage.ingesting and meta.regenerated_at is not None
+        if (
+            not handed
+            or meta.total is not None
+            or meta.ingest_cursor
+            or time.time() - meta.regenerated_at < lost_after_s
+        ):
+            continue
+        if Job.exists(job_id(run_id, "ingest"), connection=rq_redis):
+            continue  # queued, running, or done and kept for its result
+        enqueue_ingest(rq_redis, run_id)
+        log.warning("run %s: its regenerated dataset was never queued for ingest; queued now", run_id)
+        found += 1
     return found
 
 
