@@ -113,8 +113,11 @@ def main() -> int:
                 phases["endpoint"].append(endpoint_alone(url, prompts, args.workers * args.concurrency,
                                                          args.max_new_tokens))  # fmt: skip
                 phases["stage"].append(through_stage(redis, rq_redis, f"round-{r}", source, len(prompts), options))
-                print(f"round {r}: endpoint {phases['endpoint'][-1]['prompts_per_s']:.2f} prompts/s, "
-                      f"stage {phases['stage'][-1]['prompts_per_s']:.2f} prompts/s", flush=True)
+                print(
+                    f"round {r}: endpoint {phases['endpoint'][-1]['prompts_per_s']:.2f} prompts/s, "
+                    f"stage {phases['stage'][-1]['prompts_per_s']:.2f} prompts/s",
+                    flush=True,
+                )
             assert RunState(redis, "round-0").stage() == Stage.done
     finally:
         shutil.rmtree(folder, ignore_errors=True)
