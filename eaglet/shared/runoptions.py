@@ -13,6 +13,7 @@ from typing import Annotated, Literal, get_args
 from pydantic import Field
 
 Overlong = Literal["truncate", "reject"]
+StoreDtype = Literal["model", "bf16", "fp8"]
 Reasoning = Literal["think_tags", "drop"]
 MIN_MAX_TOKENS = 2
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
@@ -80,6 +81,9 @@ class RunOptions:
     """Stop after this many samples (for trials)."""
     regenerate: RegenerateOptions | None = None
     """Regenerate the dataset's assistant turns with the target first; None: ingest the dataset as it is."""
+    store_dtype: StoreDtype | None = None
+    """How the run's hidden states are stored (eaglet/shared/store.py); None: the ingesting process's
+    ``EAGLET_STORE_DTYPE``. Fixed in the run's record at ingest, so every worker, on any host, stores it the same."""
 
     def __post_init__(self) -> None:
         if isinstance(self.regenerate, dict):  # read back from the run's record (JSON)
@@ -91,6 +95,8 @@ class RunOptions:
             raise ValueError(f"overlong={self.overlong!r}: use 'truncate' or 'reject'")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit={self.limit}: must be at least 1")
+        if self.store_dtype is not None and self.store_dtype not in get_args(StoreDtype):
+            raise ValueError(f"store_dtype={self.store_dtype!r}: use one of {', '.join(get_args(StoreDtype))}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -151,13 +151,15 @@ def test_hidden_states_stored_are_the_models(redis, settings, tmp_path):
 
 
 def test_an_fp8_run_has_the_server_encode_and_stores_its_bits_as_they_came(redis, settings, tmp_path):
-    """The worker asks for fp8, the reference server encodes before the copy to the host, the store keeps the
-    bytes: the sample equals the workers' own encoder applied to a full-width extraction of the same prompt."""
+    """The run stores fp8 (whatever a worker's own setting), so the worker asks for fp8, the reference server
+    encodes before the copy to the host, the store keeps the bytes: the sample equals the workers' own encoder
+    applied to a full-width extraction of the same prompt."""
     write_dataset(tmp_path / "data.jsonl", 2)
     ingest_new_run(redis, settings, "wide", tmp_path / "data.jsonl", RunOptions())
-    ingest_new_run(redis, settings, "narrow", tmp_path / "data.jsonl", RunOptions())
+    ingest_new_run(redis, settings, "narrow", tmp_path / "data.jsonl", RunOptions(store_dtype="fp8"))
     extractor_for(settings, redis).extract("wide", 1)
-    extractor_for(settings, redis, store_dtype="fp8").extract("narrow", 1)
+    extractor_for(settings, redis, store_dtype="bf16").extract("narrow", 1)  # the run's storage, not the worker's
+    assert RunState(redis, "wide").meta().options["store_dtype"] == settings.store_dtype  # fixed at ingest
     sample = SampleSet(samples_dir(settings.data_dir, "wide"))[1]
     wide = open_sample(sample_path(settings.data_dir, "wide", sample.sample_id))
     narrow_path = sample_path(settings.data_dir, "narrow", sample.sample_id)

@@ -14,3 +14,8 @@ def test_run_options_round_trip_and_check_their_limits():
     for bad in ({"max_tokens": 1}, {"overlong": "chop"}, {"limit": 0}):
         with pytest.raises(ValueError):
             RunOptions(**bad)
+
+
+def test_a_storage_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match="store_dtype='fp4'"):
+        RunOptions(store_dtype="fp4")

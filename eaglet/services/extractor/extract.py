@@ -55,7 +55,7 @@ class Extractor:
     """Unique per process (see eaglet/shared/heartbeats.py); names the temp files this process writes."""
     dump_wait_s: float = 60.0
     store_dtype: str = "model"
-    """How the hidden states are stored (see eaglet/shared/store.py ``encode_states``)."""
+    """How the hidden states of a run whose record names no storage are stored (eaglet/shared/store.py)."""
     max_attempts: int = 4
     backoff_s: tuple[float, ...] = (1, 2, 5, 10, 30, 60)
     max_transient_s: float = 3600.0
@@ -130,16 +130,18 @@ class Extractor:
             timings[stage] = now - clock
             clock = now
 
+        store = self.store_dtype_of(state)
         try:
-            self._prefill(rid, sample)
+            # A run stored as fp8 has the server encode its states on its device: half the bytes to move and write.
+            self._prefill(rid, sample, fp8=store == "fp8")
             lap("prefill")
             dump = self._wait_for_dump(dump_file, rid)
             lap("dump_wait")
             meta = self._run_meta(state)
             validate_dump(dump, rid=rid, num_tokens=len(sample.input_ids), hidden_size=meta.hidden_size)
-            if dump.fp8 != self.server_encodes_fp8:
+            if dump.fp8 != (store == "fp8"):
                 raise DumpInvalid(f"dump {rid}: storage {dump.metadata.get('storage')!r}, but this worker asked for "
-                                  f"{FP8_ENCODING if self.server_encodes_fp8 else 'full width'}")  # fmt: skip
+                                  f"{FP8_ENCODING if store == 'fp8' else 'full width'}")  # fmt: skip
             self._check_layers(state, sample, dump, rid)
             self.captured = (dump.hidden_states.shape[-1], dump.aux_layer_ids)
             lap("check")
@@ -153,7 +155,7 @@ class Extractor:
             metadata = {**dump.metadata, "run_id": state.run_id, "sample_id": sample.sample_id}
             try:
                 nbytes = write_sample(path, tensors, metadata, writer=self.instance or None,
-                                      store_dtype=self.store_dtype, slices=dump.slices)  # fmt: skip
+                                      store_dtype=store, slices=dump.slices)  # fmt: skip
             except StoreError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
                     raise Transient(f"data volume: {e}") from e
@@ -189,14 +191,14 @@ class Extractor:
         for earlier in range(max(1, attempt - 64), attempt):
             dump_path(self.dump_dir, make_rid(run_id, sample_id, earlier)).unlink(missing_ok=True)
 
-    @property
-    def server_encodes_fp8(self) -> bool:
-        """A run stored as fp8 has the server encode its states on its device: half the bytes to move and write."""
-        return self.store_dtype == "fp8"
+    def store_dtype_of(self, state: RunState) -> str:
+        """The run's storage, fixed in its record at ingest; this worker's own setting for a run that has none."""
+        options = self._run_meta(state).options or {}
+        return options.get("store_dtype") or self.store_dtype
 
-    def _prefill(self, rid: str, sample: Sample) -> None:
+    def _prefill(self, rid: str, sample: Sample, *, fp8: bool) -> None:
         params: dict = {"max_new_tokens": 1, "temperature": 0}
-        if self.server_encodes_fp8:
+        if fp8:
             params["custom_params"] = {DUMP_ENCODING_PARAM: FP8_ENCODING}
         body = {"input_ids": sample.input_ids.tolist(), "rid": rid, "sampling_params": params}
         try:

@@ -82,7 +82,13 @@ def _describe_target(state: RunState, settings: Settings, meta: RunMeta) -> RunM
         num_layers=num_layers,
         vocab_size=config["vocab_size"],
         aux_layer_ids=default_layer_ids(num_layers),
-        options=asdict(replace(options, max_tokens=min(options.max_tokens, context))),
+        options=asdict(
+            replace(
+                options,
+                max_tokens=min(options.max_tokens, context),
+                store_dtype=options.store_dtype or settings.store_dtype,
+            )
+        ),
     )
     state.update_meta(target)
     return state.meta()

@@ -15,7 +15,7 @@ from eaglet.services.ingest.jobs import NoIngestToTakeUp, ingest_new_run, ingest
 from eaglet.services.ingest.runs import RunExists
 from eaglet.shared.config import Settings
 from eaglet.shared.ids import UnsafeName
-from eaglet.shared.runoptions import Overlong, RunOptions
+from eaglet.shared.runoptions import Overlong, RunOptions, StoreDtype
 
 DEFAULTS = RunOptions()
 
@@ -28,11 +28,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens)
     parser.add_argument("--overlong", choices=get_args(Overlong), default=DEFAULTS.overlong)
     parser.add_argument("--limit", type=int, default=DEFAULTS.limit)
+    parser.add_argument("--store-dtype", choices=get_args(StoreDtype), default=DEFAULTS.store_dtype,
+                        help="how the run's hidden states are stored (default: EAGLET_STORE_DTYPE)")  # fmt: skip
     args = parser.parse_args(argv)
     if (args.dataset is None) != args.resume:
         parser.error("give a DATASET for a new run, or --resume for a run whose ingest died (not both)")
     try:
-        args.options = RunOptions(max_tokens=args.max_tokens, overlong=args.overlong, limit=args.limit)
+        args.options = RunOptions(
+            max_tokens=args.max_tokens, overlong=args.overlong, limit=args.limit, store_dtype=args.store_dtype
+        )
     except ValueError as e:
         parser.error(str(e))
     return args
