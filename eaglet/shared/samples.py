@@ -90,7 +90,15 @@ class SampleSet:
     def _map(self) -> None:
         # Maps what is on disk now; a reader asked for a sample appended later maps again.
         rows = os.path.getsize(self.folder / "index.bin") // INDEX_DTYPE.itemsize
-        self.index = np.memmap(self.folder / "index.bin", dtype=INDEX_DTYPE, mode="r", shape=(rows,)) if rows else []
+        index = np.memmap(self.folder / "index.bin", dtype=INDEX_DTYPE, mode="r", shape=(rows,)) if rows else []
+        # The writer's three files reach the disk one by one (a full buffer, a flush, a kill between them): an index
+        # row whose tokens are not all there yet is left out, as if not yet appended.
+        on_disk = min(
+            os.path.getsize(self.folder / "input_ids.bin") // 4, os.path.getsize(self.folder / "loss_mask.bin")
+        )
+        while rows and int(index[rows - 1]["offset"] + index[rows - 1]["length"]) > on_disk:
+            rows -= 1
+        self.index = index[:rows] if rows else []
         tokens = int(self.index[-1]["offset"] + self.index[-1]["length"]) if rows else 0
         self._ids = (
             np.memmap(self.folder / "input_ids.bin", dtype=np.int32, mode="r", shape=(tokens,)) if tokens else None

@@ -74,8 +74,12 @@ def test_compose_keeps_redis_and_inference_private():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
     published = {name for name, s in services.items() if s.get("ports")}
-    assert published == {"gateway"}, f"only the gateway may publish a port: {published}"
-    assert all(p.startswith("${EAGLET_GATEWAY_BIND:-127.0.0.1}:") for p in services["gateway"]["ports"])
+    # The gateway, and Grafana in the optional monitoring profile; both on the loopback unless told otherwise.
+    assert published == {"gateway", "grafana"}, f"only the gateway and Grafana may publish a port: {published}"
+    assert services["grafana"]["profiles"] == ["monitoring"]
+    for name in published:
+        bind = f"${{EAGLET_{name.upper()}_BIND:-127.0.0.1}}:"
+        assert all(p.startswith(bind) for p in services[name]["ports"]), (name, services[name]["ports"])
     redis = services["redis"]
     command = " ".join(redis["command"])
     assert "--requirepass" in command and "${EAGLET_REDIS_PASSWORD:?" in command, command
