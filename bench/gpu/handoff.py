@@ -15,9 +15,7 @@ NVSHMEM_DISABLE_NVLS=1, and SGLang at TP 2 --disable-custom-all-reduce
 import json
 import os
 import shutil
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -39,25 +37,16 @@ TRAIN_ARGS = f"--max-steps {STEPS} --tokens-per-batch 2048 --max-len 512 --check
 R: dict = {"checks": {}}
 
 
-class GpuMemory:
+class GpuMemory(H.Sampler):
     """Samples each GPU's used memory (MiB) once a second, with the run's stage at that moment."""
 
+    interval_s = 1.0
+
     def __init__(self, stage):
-        self.stage, self.samples, self._stop = stage, [], threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
+        self.stage, self.samples = stage, []
 
-    def _loop(self) -> None:
-        while not self._stop.wait(1.0):
-            out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=30).stdout  # fmt: skip
-            used = {int(i): int(m) for i, m in (line.split(",") for line in out.strip().splitlines())}
-            self.samples.append({"t": round(time.time() - H.T0, 1), "stage": self.stage(), "mib": used})
-
-    def close(self) -> list[dict]:
-        self._stop.set()
-        self._thread.join(5)
-        return self.samples
+    def sample(self) -> None:
+        self.samples.append({"t": round(time.time() - H.T0, 1), "stage": self.stage(), "mib": H.gpu_memory_mib()})
 
 
 def check(name: str, ok: bool, detail: object) -> None:
@@ -97,7 +86,7 @@ def main() -> int:
         check("torchrun_on_path", False, f"no torchrun on PATH ({os.environ.get('PATH')})")
         (H.OUT / "handoff.json").write_text(json.dumps(R, indent=1, default=str))
         return 1
-    memory = GpuMemory(lambda: str(state.stage()) if state.exists() else "none")
+    memory = GpuMemory(lambda: str(state.stage()) if state.exists() else "none").start()
     try:
         trainer_env = {**env, "EAGLET_TRAIN_GPUS": TRAIN_GPUS, "EAGLET_TRAIN_ARGS": TRAIN_ARGS,
                        "EAGLET_FOLLOW_POLL_S": "1"}  # fmt: skip
@@ -145,11 +134,12 @@ def main() -> int:
         check("torchrun_m_processes", "torchrun --standalone --nproc-per-node 1" in trainer_log,
               [line for line in trainer_log.splitlines() if "torchrun" in line][:2])  # fmt: skip
     finally:
-        samples = memory.close()
+        memory.stop()
+        samples = memory.samples
         H.stop_all()
         R["gpu_memory_mib"] = samples
-    extracting = [s["mib"] for s in samples if s["stage"] == "extracting"]
-    training = [s["mib"] for s in samples if s["stage"] == "training"]
+    extracting = [s["mib"] for s in samples if s["stage"] == "extracting" and s["mib"]]
+    training = [s["mib"] for s in samples if s["stage"] == "training" and s["mib"]]
     check("inference_held_both_gpus", bool(extracting) and min(m[0] for m in extracting) > 1024
           and min(m[1] for m in extracting) > 1024, {"samples": len(extracting)})  # fmt: skip
     check("trainer_used_gpu_1_alone", bool(training) and max(m[0] for m in training) < 1024

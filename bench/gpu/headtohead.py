@@ -26,7 +26,6 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -240,28 +239,13 @@ def phase_extract() -> None:
     R["done"] = bool(R.get("complete"))
 
 
-class GpuMemory:
+class GpuMemory(P.Sampler):
     """Peak GPU memory in use on device 0 (nvidia-smi every 0.5 s), the same measure for both trainers."""
 
-    def __enter__(self):
-        self.peak_mib, self._stop = 0, False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
+    peak_mib = 0
 
-    def __exit__(self, *exc) -> None:
-        self._stop = True
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop:
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                      "-i", "0"], capture_output=True, text=True, timeout=5).stdout  # fmt: skip
-                self.peak_mib = max(self.peak_mib, int(out.split()[0]))
-            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-                pass
-            time.sleep(0.5)
+    def sample(self) -> None:
+        self.peak_mib = max(self.peak_mib, P.gpu_memory_mib().get(0, 0))
 
 
 def training_rows() -> list[tuple[int, str, int]]:

@@ -668,40 +668,66 @@ def pipeline_reps(phase: str, store: str, model: Path, n: int, reps: int = L8B_R
     R["plugin_log"] = plugin_lines("s8b-plugin")
 
 
-class MemorySampler:
-    """Peak resident memory of each process of a server's process group (the scheduler holds the dumps),
-    sampled every 0.5 s in a thread."""
+class Sampler:
+    """Calls ``sample()`` every ``interval_s`` in a thread, from ``start()`` (or entering) to ``stop()``."""
 
-    def __init__(self, pgid: int):
-        self.pgid, self.peaks, self.first = pgid, {}, {}
-        self._stop = False
+    interval_s = 0.5
 
-    def __enter__(self):
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
         import threading
 
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def __enter__(self):
+        return self.start()
+
     def __exit__(self, *exc) -> None:
-        self._stop = True
-        self._thread.join()
+        self.stop()
 
     def _run(self) -> None:
-        while not self._stop:
-            for pid in os.listdir("/proc"):
-                try:
-                    stat = Path(f"/proc/{pid}/stat").read_text()
-                    if int(stat.rsplit(")", 1)[1].split()[2]) != self.pgid:
-                        continue
-                    name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")[-40:]
-                    rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-                except (OSError, ValueError, IndexError):
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+
+def gpu_memory_mib() -> dict[int, int]:
+    """Memory in use on each GPU (MiB), as nvidia-smi reports it; empty if it does not answer."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+        return {int(i): int(m) for i, m in (line.split(",") for line in out.strip().splitlines())}
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return {}
+
+
+class MemorySampler(Sampler):
+    """Peak resident memory of each process of a server's process group (the scheduler holds the dumps)."""
+
+    def __init__(self, pgid: int):
+        self.pgid, self.peaks, self.first = pgid, {}, {}
+
+    def sample(self) -> None:
+        for pid in os.listdir("/proc"):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[2]) != self.pgid:
                     continue
-                key = f"{pid} {name}"
-                self.first.setdefault(key, rss)
-                self.peaks[key] = max(self.peaks.get(key, 0), rss)
-            time.sleep(0.5)
+                name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")[-40:]
+                rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, ValueError, IndexError):
+                continue
+            key = f"{pid} {name}"
+            self.first.setdefault(key, rss)
+            self.peaks[key] = max(self.peaks.get(key, 0), rss)
 
     def result(self) -> dict:
         return {k: {"start_GB": round(self.first[k] / 1e9, 2), "peak_GB": round(v / 1e9, 2)}
