@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # run.sh "PARTS" [PHASE...]: on the GPU machine, from the repo root. Installs the staged parts named in PARTS
 # (bench/gpu/install.sh), prints the machine's facts the first time, then runs bench/gpu/phases.py's phases.
-# Results: $OUT/<phase>.json, $OUT/machine.txt; each call's logs in a folder of their own, $OUT/logs/<call>/:
+# Results: $OUT/<phase>.json, $OUT/machine.txt, $OUT/machine-packages.txt (the image's pip list); each call's logs in a folder of their own, $OUT/logs/<call>/:
 # install.log, phases.log, logs.tgz (server, worker and trainer logs).
 set -u
 OUT=${OUT:-$PWD/gpu-out}; export OUT
@@ -16,6 +16,7 @@ if [ ! -f /root/stage/info.done ]; then
     LD_LIBRARY_PATH=/root/stage/redis/lib /root/stage/redis/bin/redis-server --version
     PYTHONPATH= python3 -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|tokenizers|safetensors|numpy|httpx|aiohttp|requests|rich|pydantic|fastapi|uvicorn|accelerate|gguf|click|python-dateutil|prometheus.client|psutil|uvloop) '
   } 2>&1 | tee "$OUT/machine.txt"
+  PYTHONPATH= python3 -m pip list --format=freeze > "$OUT/machine-packages.txt"
   touch /root/stage/info.done
 fi
 [ $# -gt 0 ] || exit 0
