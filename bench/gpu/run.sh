@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # run.sh "PARTS" [PHASE...]: on the GPU machine, from the repo root. Installs the staged parts named in PARTS
 # (bench/gpu/install.sh), prints the machine's facts the first time, then runs bench/gpu/phases.py's phases.
-# Results: $OUT/<phase>.json, $OUT/machine.txt, $OUT/machine-packages.txt (the image's pip list); each call's logs in a folder of their own, $OUT/logs/<call>/:
-# install.log, phases.log, logs.tgz (server, worker and trainer logs).
+# Results: $OUT/<phase>.json, $OUT/machine.txt, $OUT/machine-packages.txt (the image's full pip list); each call's
+# logs in a folder of their own, $OUT/logs/<call>/: install.log, phases.log, logs.tgz (server, worker and trainer logs).
 set -u
 OUT=${OUT:-$PWD/gpu-out}; export OUT
 export GPUBENCH_CALL=${GPUBENCH_CALL:-$(date -u +%Y%m%d-%H%M%S)}
