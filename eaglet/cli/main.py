@@ -8,6 +8,7 @@ eaglet worker                      an extractor worker
 eaglet gateway                     the HTTP status and control service
 eaglet train --run ID              train the drafter once the run's extraction is complete
 eaglet eval --run ID               speculative decoding with the drafter: acceptance length
+eaglet score --run ID              held-out accuracy per draft position of saved drafters (any trainer's)
 eaglet status [RUN] [--watch]      progress, rate, ETA, errors, workers, alerts
 eaglet regenerate INPUT --run ID   start a run by regenerating the assistant turns with the target
 eaglet prepare-model               convert the bundled target model once
@@ -28,6 +29,7 @@ ENTRY_POINTS = {
     "gateway": "eaglet.services.gateway.main",
     "train": "eaglet.services.trainer.main",
     "eval": "eaglet.services.trainer.evaluate",
+    "score": "eaglet.services.trainer.score",
     "status": "eaglet.cli.status",
     "regenerate": "eaglet.services.regenerate.main",
     "demo": "eaglet.cli.demo",

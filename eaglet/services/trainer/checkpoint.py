@@ -18,6 +18,9 @@ vLLM's ``Eagle3LlamaForCausalLM`` (``model_executor/models/llama_eagle3.py``)::
 
 No ``embed_tokens``: both engines use the target's when the draft has none (and hidden sizes match).
 
+``load_drafter`` reads these folders back, and also those other trainers write in the same format (a config.json
+without the ``eaglet`` section, shaped by the standard keys; an ``embed_tokens.weight`` of theirs is not read).
+
 config.json is a Llama's of one layer, shaped by ``model.drafter_config`` (the target's attention shape, or for
 latent-attention targets head_dim 128 with hidden / 128 heads and 8 KV heads). Its RoPE is plain: the target's
 ``rope_theta`` with ``rope_scaling: null`` and no ``rope_parameters``, so both engines build the default rotary
@@ -43,7 +46,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eaglet.services.trainer.model import Drafter, DrafterConfig
+from eaglet.services.trainer.model import Drafter, DrafterConfig, rope_theta
 from eaglet.shared.layers import sglang_arg_ids
 
 log = logging.getLogger(__name__)
@@ -175,14 +178,146 @@ def save_drafter(
 
 
 def load_drafter(drafter_dir: Path, embed: torch.Tensor) -> Drafter:
-    """Rebuilds a drafter from its own config.json and weights (never from flags)."""
-    config = json.loads((Path(drafter_dir) / "config.json").read_text())
-    cfg = DrafterConfig(**config["eaglet"]["drafter_config"])
+    """Rebuilds a drafter from its own config.json and weights (never from flags).
+
+    A drafter eaglet wrote is shaped by its config's ``eaglet.drafter_config``. One another trainer wrote in
+    SGLang's format (``LlamaForCausalLMEagle3``, no ``eaglet`` section) is shaped by the standard keys
+    (``foreign_drafter_config``). Either way every tensor the model needs must be there with its shape: a
+    CheckpointError names the folder and the key otherwise. ``embed`` [V, H]: the target's embedding."""
+    folder = Path(drafter_dir)
+    config_path = folder / "config.json"
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such drafter folder")
+    if not config_path.is_file():
+        raise CheckpointError(f"{folder}: no config.json; not a drafter folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from e
+    check_plain_rope(config, folder)
+    state = _drafter_state(folder)
+    if "eaglet" in config:
+        cfg = DrafterConfig(**config["eaglet"]["drafter_config"])
+    else:
+        cfg = foreign_drafter_config(config, state, folder)
     model = Drafter(cfg, embed)
-    with safe_open(str(Path(drafter_dir) / "model.safetensors"), framework="pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
-    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()})
+    model.load_state_dict(_fit_state(model, state, folder), strict=False)
+    if "t2d" not in state:  # both engines skip it; it follows from d2t
+        model.set_vocab(torch.arange(cfg.draft_vocab_size) + model.d2t)
     return model
+
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # SGLang's name, vLLM's
+IGNORED_TENSORS = ("embed_tokens.weight",)
+"""Tensors a drafter folder may hold that the model has no place for. ``embed_tokens.weight``: the drafter embeds
+tokens with the target's embedding (a frozen buffer, not a parameter), so a copy saved with the drafter is not
+read; the figures are those of the drafter on the target's embedding."""
+
+
+def _drafter_state(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a drafter folder: ``model.safetensors``, or the shards its index names."""
+    if not (folder / "model.safetensors").is_file() and not (folder / "model.safetensors.index.json").is_file():
+        raise CheckpointError(f"{folder}: no model.safetensors (nor model.safetensors.index.json); no drafter weights")
+    state = {}
+    for name, path in _tensor_files(folder).items():
+        with safe_open(str(path), framework="pt") as f:
+            state[name] = f.get_tensor(name)
+    return state
+
+
+def check_plain_rope(config: dict, folder: Path) -> None:
+    """CheckpointError unless the config declares plain RoPE: the drafter implements no scaling (model.py)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        if value is None:
+            continue
+        kind = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else value
+        if kind != "default":
+            raise CheckpointError(
+                f"{folder}: config.json declares {key} {json.dumps(value)}; the drafter implements plain RoPE "
+                "only (rope_theta, no scaling), so its figures would not be this drafter's"
+            )
+
+
+def foreign_drafter_config(config: dict, state: dict[str, torch.Tensor], folder: Path) -> DrafterConfig:
+    """The shape of a drafter another trainer saved in SGLang's format, from config.json's standard keys (absent
+    optional ones take what the engines' Llama config gives them) and the number of aux states from ``fc.weight``
+    [H, n * target_hidden_size]."""
+    where = f"{folder}/config.json"
+    arch = config.get("architectures") or []
+    if arch and not any(a in EAGLE3_ARCHITECTURES for a in arch):
+        raise CheckpointError(f"{where}: architectures {arch} is not an EAGLE-3 Llama drafter {EAGLE3_ARCHITECTURES}")
+    for key, plain in (("num_hidden_layers", 1), ("hidden_act", "silu"), ("attention_bias", False),
+                       ("mlp_bias", False)):  # fmt: skip
+        if config.get(key, plain) != plain:
+            raise CheckpointError(f"{where}: {key} is {config[key]!r}; the drafter model has {plain!r} only")
+
+    def get(key: str, default=None, kind=int):
+        value = config.get(key)
+        if value is None:
+            if default is None:
+                raise CheckpointError(f"{where}: no {key}")
+            return default
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{where}: {key} is {value!r}, not a {kind.__name__}") from None
+
+    hidden, heads, vocab = get("hidden_size"), get("num_attention_heads"), get("vocab_size")
+    target_hidden = get("target_hidden_size", hidden)
+    fc = state.get("fc.weight")
+    if fc is None or fc.dim() != 2 or fc.shape[1] % target_hidden:
+        shape = None if fc is None else list(fc.shape)
+        raise CheckpointError(
+            f"{folder}: fc.weight is {shape}; expected [hidden_size, n * target_hidden_size ({target_hidden})]"
+        )
+    try:
+        return DrafterConfig(
+            hidden_size=hidden,
+            intermediate_size=get("intermediate_size"),
+            num_attention_heads=heads,
+            num_key_value_heads=get("num_key_value_heads", heads),
+            head_dim=get("head_dim", hidden // heads),
+            vocab_size=vocab,
+            draft_vocab_size=get("draft_vocab_size", vocab),  # absent: the full vocabulary, as SGLang reads it
+            target_hidden_size=target_hidden,
+            num_aux_hidden_states=fc.shape[1] // target_hidden,
+            rms_norm_eps=get("rms_norm_eps", 1e-6, float),
+            rope_theta=rope_theta(config),
+            max_position_embeddings=get("max_position_embeddings", 2048),
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from e
+
+
+def _fit_state(model: Drafter, state: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors checked against the model's (names, shapes) and cast to its dtypes. ``t2d`` may be
+    absent (both engines skip it), and ``d2t`` where the draft vocabulary is the whole vocabulary."""
+    expected = model.state_dict()
+    optional = {"t2d"} | ({"d2t"} if model.cfg.draft_vocab_size == model.cfg.vocab_size else set())
+    missing = [k for k in expected if k not in state and k not in optional]
+    if missing:
+        raise CheckpointError(f"{folder}: tensors {missing} missing from the drafter's weights")
+    wrong = [
+        f"{k} is {list(state[k].shape)}, expected {list(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if wrong:
+        raise CheckpointError(f"{folder}: {'; '.join(wrong)} (for the shape its config.json declares)")
+    extra = sorted(k for k in state if k not in expected and k not in IGNORED_TENSORS)
+    if extra:
+        log.warning("%s: tensors %s have no place in the drafter model; not read", folder, extra)
+    if "d2t" in state:
+        d2t = state["d2t"]
+        if d2t.is_floating_point() or d2t.dtype == torch.bool:
+            raise CheckpointError(f"{folder}: d2t is {d2t.dtype}; expected integer offsets (target_id - draft_id)")
+        ids = torch.arange(len(d2t)) + d2t.long()
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= model.cfg.vocab_size or len(ids.unique()) < len(ids)):
+            raise CheckpointError(
+                f"{folder}: d2t does not map the draft ids to distinct target ids in 0..{model.cfg.vocab_size - 1}"
+            )
+    return {k: state[k].to(v.dtype) for k, v in expected.items() if k in state}
 
 
 # ---- trainer state, for resume ------------------------------------------------------------------------------

@@ -361,7 +361,12 @@ class Session:
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.env.device.type == "cuda" else torch.float32
+        return states_dtype(self.env.device)
+
+
+def states_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the stored states are read in on ``device`` (the objective runs under bf16 autocast on CUDA)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def train(*, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cfg: TrainConfig, env: Dist) -> dict:
@@ -438,14 +443,19 @@ def make_objective(
     layers: list[int],
     shape: DrafterConfig | None,
 ) -> TTTObjective:
-    gpu = env.device.type == "cuda"
-    attention = cfg.attention if cfg.attention != "auto" else ("flex" if gpu else "math")
-    oov = cfg.oov_mask == "on" or (cfg.oov_mask == "auto" and gpu)
+    attention, oov = objective_options(cfg, env.device)
     torch.manual_seed(cfg.seed)  # the fresh drafter's weights are the same in every process and rerun
     drafter, target_head = build_drafter(target_dir, draft_ids, cfg, layers, shape)
     objective = TTTObjective(drafter, target_head, cfg, attention, oov).to(env.device)
     objective.set_vocab(draft_ids.to(env.device))
     return objective
+
+
+def objective_options(cfg: TrainConfig, device: torch.device) -> tuple[str, bool]:
+    """(attention implementation, OOV mask on) of the objective on ``device``: ``auto`` resolved."""
+    gpu = device.type == "cuda"
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if gpu else "math")
+    return attention, cfg.oov_mask == "on" or (cfg.oov_mask == "auto" and gpu)
 
 
 def distribute(objective: TTTObjective, env: Dist) -> nn.Module:
@@ -580,26 +590,46 @@ def finish(s: Session) -> dict:
     return final if s.env.main else {}
 
 
-@torch.no_grad()
 def heldout(s: Session) -> dict:
     """Mean TTT loss and per-step accuracy over the held-out batches, each process evaluating every world-th one
     (the objective alone, outside DDP: no lock-step needed)."""
     if not s.held_items:
         return {}
-    env, objective = s.env, s.objective
-    batches = data.make_batches(s.held_items, s.cfg.tokens_per_batch, 0, 0)[env.rank :: env.world]
+    figures = heldout_figures(
+        s.objective, s.held_items, data_dir=s.data_dir, run_id=s.run_id, tokens_per_batch=s.cfg.tokens_per_batch,
+        max_len=s.cfg.max_len, device=s.env.device, rank=s.env.rank, world=s.env.world,
+    )  # fmt: skip
+    return {k: figures[k] for k in ("heldout_loss", "heldout_acc")}
+
+
+@torch.no_grad()
+def heldout_figures(
+    objective: TTTObjective, items: list[data.Item], *, data_dir: Path, run_id: str, tokens_per_batch: int,
+    max_len: int, device: torch.device, rank: int = 0, world: int = 1,
+) -> dict:  # fmt: skip
+    """The held-out figures of ``objective`` on ``items`` (a run's held-out split), the training's and any saved
+    drafter's alike (``score``): the mean over the batches (fixed: seed 0, epoch 0) of the weighted TTT loss and of
+    each step's accuracy, with ``samples`` and ``tokens`` (after the ``max_len`` cut) of the split. Across
+    processes each evaluates every world-th batch and every process gets the whole split's figures."""
+    batches = data.make_batches(items, tokens_per_batch, 0, 0)[rank::world]
+    was_training = objective.training
     objective.eval()
-    sums = torch.zeros(s.cfg.ttt_steps + 2, device=env.device)  # loss, accuracy per step, batches
-    for batch in data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len):
-        b = {k: v.to(env.device) for k, v in batch.items()}
-        with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
+    sums = torch.zeros(objective.cfg.ttt_steps + 2, device=device)  # loss, accuracy per step, batches
+    for batch in data.BatchSet(batches, data_dir, run_id, states_dtype(device), max_len):
+        b = {k: v.to(device) for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, _, acc = objective(b["input_ids"], b["loss_mask"], b["hidden_states"], b["aux_hidden_states"])
-        sums += torch.cat([loss.float()[None], acc.float(), torch.ones(1, device=env.device)])
-    objective.train()
-    if env.world > 1:
+        sums += torch.cat([loss.float()[None], acc.float(), torch.ones(1, device=device)])
+    objective.train(was_training)
+    if world > 1:
         dist.all_reduce(sums)
     loss, *acc = (sums[:-1] / sums[-1]).tolist()
-    return {"heldout_loss": round(loss, 5), "heldout_acc": [round(a, 4) for a in acc]}
+    return {
+        "heldout_loss": round(loss, 5),
+        "heldout_acc": [round(a, 4) for a in acc],
+        "samples": len(items),
+        "tokens": sum(min(it.length, max_len) for it in items),  # what collate keeps of each
+    }
 
 
 def eos_ids(target_dir: Path) -> list[int]:
