@@ -2,7 +2,8 @@
 the table of both drafters x both chains x both prompt sets (accept length, output tokens/s, with the plain
 target's tokens/s beside) and both trainers (tokens/s, peak memory, wall time), with the ratios.
 
-    python bench/gpu/h2hreport.py GPU_OUT_DIR bench/results      (writes gpu-headtohead.md and .json)
+    python bench/gpu/h2hreport.py GPU_OUT_DIR bench/results [OTHER_CALLS_h2h-eval.json ...]
+                                                              (writes gpu-headtohead.md and .json)
 """
 
 import json
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 DRAFTERS = ("eaglet", "specforge")
-PHASES = ("h2h-data", "h2h-extract", "h2h-eaglet", "h2h-specforge", "h2h-eval")
+PHASES = ("h2h-data", "h2h-extract", "h2h-eaglet", "h2h-specforge", "h2h-score", "h2h-eval")
 
 
 def load(out_dir: Path) -> dict:
@@ -29,12 +30,70 @@ def ratio(a, b) -> float | None:
     return round(a / b, 3) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
+def number(x):
+    """A figure as a number: Redis hashes hand back strings ("4168", "16600.5"); anything else is kept as is."""
+    if isinstance(x, str):
+        for kind in (int, float):
+            try:
+                return kind(x)
+            except ValueError:
+                pass
+    return x
+
+
 def fmt(x, nd: int = 2) -> str:
-    return "—" if x is None else (f"{x:,.{nd}f}" if isinstance(x, float) else f"{x:,}")
+    x = number(x)
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:,.{nd}f}"
+    return f"{x:,}" if isinstance(x, int) else str(x)
 
 
-def summarize(results: dict) -> dict:
-    """The figures the table shows, and the ratios eaglet / SpecForge."""
+def rates(xs) -> str:
+    return "—" if not xs else " / ".join(f"{x:.2f}" for x in xs)
+
+
+def agree(a: dict | None) -> str:
+    return "—" if not a else f"{a['same']}/{a['of']}"
+
+
+def position_acceptance(histograms: list[list[int]]) -> dict:
+    """Summed per-request histograms (entry n: verify steps that accepted exactly n drafts) -> the share of verify
+    steps whose draft at position k (1-based) was accepted, i.e. that accepted at least k drafts."""
+    total: list[int] = []
+    for h in histograms:
+        total += [0] * (len(h) - len(total))
+        total = [a + int(b) for a, b in zip(total, h + [0] * (len(total) - len(h)), strict=True)]
+    steps = sum(total)
+    if not steps:
+        return {}
+    return {"accepted_drafts_histogram": total,
+            "accept_rate_per_position": [round(sum(total[k:]) / steps, 4) for k in range(1, len(total))]}  # fmt: skip
+
+
+def agreement(texts: list, reference: list) -> dict:
+    """How many greedy outputs equal the reference outputs, and where the others first differ (characters of the
+    reference before the first difference, and that as a share of its length: late differences point at
+    numerics rather than a wrong token)."""
+    same, firsts, shares = 0, [], []
+    for a, b in zip(texts, reference, strict=True):
+        if a is None or b is None:
+            continue
+        if a == b:
+            same += 1
+            continue
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        firsts.append(n)
+        shares.append(n / max(len(b), 1))
+    mid = len(firsts) // 2
+    return {"same": same, "of": len(texts), "first_difference_chars_median": sorted(firsts)[mid] if firsts else None,
+            "first_difference_share_median": round(sorted(shares)[mid], 3) if shares else None}  # fmt: skip
+
+
+def summarize(results: dict, repeats: list[dict] = ()) -> dict:
+    """The figures the table shows, and the ratios eaglet / SpecForge. ``repeats``: the evaluation phase's results
+    of other calls on the same drafters (``h2h-eval.json``), shown beside the first: the spread of the speeds."""
     ev = results.get("h2h-eval", {})
     rows, ratios = [], {}
     for chain in ev.get("chains", []):
@@ -43,21 +102,34 @@ def summarize(results: dict) -> dict:
             row = {"chain": chain, "prompt_set": pset, "baseline_tokens_per_s": base}
             for d in DRAFTERS:
                 r = ev.get(d, {}).get(chain, {}).get(pset, {})
-                row[d] = {k: r.get(k) for k in ("accept_length", "output_tokens_per_s", "requests", "errors")}
+                row[d] = {k: r.get(k) for k in ("accept_length", "output_tokens_per_s", "requests", "errors",
+                                                "accept_rate_per_position", "same_text_as_target_alone")}  # fmt: skip
                 row[d]["speedup"] = ratio(r.get("output_tokens_per_s"), base)
             row["accept_length_ratio"] = ratio(row["eaglet"]["accept_length"], row["specforge"]["accept_length"])
+            row["runs"] = [run_figures(e, chain, pset) for e in [ev, *repeats]]
             ratios[f"accept_length {chain} {pset}"] = row["accept_length_ratio"]
             rows.append(row)
     trainers = {}
     for d in DRAFTERS:
         t = results.get(f"h2h-{d}", {})
-        trainers[d] = {k: t.get(k) for k in ("tokens_per_s", "peak_gpu_GiB", "wall_s", "train_tokens", "epochs",
-                                              "optimizer_steps", "rc", "error")}  # fmt: skip
+        trainers[d] = {k: number(t.get(k)) for k in ("tokens_per_s", "peak_gpu_GiB", "wall_s", "train_tokens",
+                                                      "epochs", "optimizer_steps", "rc", "error")}  # fmt: skip
+        trainers[d]["peak_allocated_GiB"] = (t.get("probe") or {}).get("peak_allocated_GiB")
     ratios["trainer tokens/s"] = ratio(trainers["eaglet"]["tokens_per_s"], trainers["specforge"]["tokens_per_s"])
     ratios["trainer peak memory"] = ratio(trainers["eaglet"]["peak_gpu_GiB"], trainers["specforge"]["peak_gpu_GiB"])
     data = results.get("h2h-data", {})
+    scores = results.get("h2h-score", {}).get("drafters", {})
+    heldout = {d: {k: scores.get(d, {}).get(k) for k in ("heldout_acc", "heldout_loss", "samples", "tokens")}
+               for d in DRAFTERS}  # fmt: skip
+    base = ev.get("baseline", {})
     return {
         "rows": rows,
+        "heldout": heldout,
+        "target_alone_repeat": {
+            "concurrency": (base.get("humaneval_repeat") or {}).get("concurrency"),
+            "first_concurrency": (base.get("humaneval") or {}).get("concurrency"),
+            "same_text": (base.get("humaneval_repeat") or {}).get("same_text_as_target_alone"),
+        },
         "trainers": trainers,
         "ratios": ratios,
         "data": {k: data.get(k) for k in ("conversations", "multi_turn", "heldout_prompts", "magpie", "wall_s")},
@@ -65,6 +137,15 @@ def summarize(results: dict) -> dict:
         "eval_settings": {k: ev.get(k) for k in ("max_new_tokens", "concurrency", "server_flags")},
         "errors": {p: results[p]["error"] for p in PHASES if results.get(p, {}).get("error")} | eval_errors(ev),
     }
+
+
+def run_figures(ev: dict, chain: str, pset: str) -> dict:
+    """One evaluation call's accept lengths and output tokens/s for a chain and prompt set."""
+    out = {"target alone tok/s": ev.get("baseline", {}).get(pset, {}).get("output_tokens_per_s")}
+    for d in DRAFTERS:
+        r = ev.get(d, {}).get(chain, {}).get(pset, {})
+        out |= {f"{d} accept length": r.get("accept_length"), f"{d} tok/s": r.get("output_tokens_per_s")}
+    return out
 
 
 def eval_errors(ev: dict) -> dict:
@@ -98,12 +179,42 @@ def markdown(s: dict) -> str:
             f"{fmt(r['accept_length_ratio'], 3)} | {fmt(e['output_tokens_per_s'], 0)} | "
             f"{fmt(f['output_tokens_per_s'], 0)} | {fmt(r['baseline_tokens_per_s'], 0)} |"
         )
-    lines += ["", "| trainer | tokens/s | peak GPU memory GiB | wall s | tokens trained | epochs | optimizer steps |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    if any(len(r["runs"]) > 1 for r in s["rows"]):
+        keys = list(s["rows"][0]["runs"][0])
+        head = "| chain | prompts | call | " + " | ".join(keys) + " |"
+        lines += ["", "Each evaluation call (the same drafters, servers started again):", "", head,
+                  "|---|---|---|" + "---|" * len(keys)]  # fmt: skip
+        for r in s["rows"]:
+            for i, run in enumerate(r["runs"], 1):
+                figures = " | ".join(fmt(run[k], 3 if "length" in k else 0) for k in keys)
+                lines.append(f"| {r['chain']} | {r['prompt_set']} | {i} | {figures} |")
+    lines += ["", "Acceptance per draft position (share of verify steps that accepted the draft at position k) and "
+              "greedy outputs equal to the target alone's:", "",
+              "| chain | prompts | eaglet per position | SpecForge per position | eaglet same text | "
+              "SpecForge same text |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in s["rows"]:
+        e, f = r["eaglet"], r["specforge"]
+        lines.append(
+            f"| {r['chain']} | {r['prompt_set']} | {rates(e['accept_rate_per_position'])} | "
+            f"{rates(f['accept_rate_per_position'])} | {agree(e['same_text_as_target_alone'])} | "
+            f"{agree(f['same_text_as_target_alone'])} |"
+        )
+    rep = s["target_alone_repeat"]
+    if rep["same_text"]:
+        lines += ["", f"The target alone, HumanEval decoded again at concurrency {rep['concurrency']} (first at "
+                  f"{rep['first_concurrency']}): {agree(rep['same_text'])} outputs the same (median first difference "
+                  f"at {fmt(rep['same_text'].get('first_difference_share_median'))} of the text)."]  # fmt: skip
+    lines += ["", "Held-out accuracy per draft position (eaglet's scorer, the same held-out samples for both):", "",
+              "| drafter | samples | tokens | accuracy per position | loss |", "|---|---|---|---|---|"]  # fmt: skip
+    for d, h in s["heldout"].items():
+        lines.append(f"| {d} | {fmt(h['samples'])} | {fmt(h['tokens'])} | {rates(h['heldout_acc'])} | "
+                     f"{fmt(h['heldout_loss'], 4)} |")  # fmt: skip
+    lines += ["", "| trainer | tokens/s | peak GPU memory GiB (nvidia-smi) | peak allocated GiB (torch) | wall s | "
+              "tokens trained | epochs | optimizer steps |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for d, t in s["trainers"].items():
         lines.append(
-            f"| {d} | {fmt(t['tokens_per_s'], 0)} | {fmt(t['peak_gpu_GiB'])} | {fmt(t['wall_s'], 1)} | "
-            f"{fmt(t['train_tokens'])} | {fmt(t['epochs'])} | {fmt(t['optimizer_steps'])} |"
+            f"| {d} | {fmt(t['tokens_per_s'], 0)} | {fmt(t['peak_gpu_GiB'])} | {fmt(t['peak_allocated_GiB'])} | "
+            f"{fmt(t['wall_s'], 1)} | {fmt(t['train_tokens'])} | {fmt(t['epochs'])} | {fmt(t['optimizer_steps'])} |"
         )
     lines += ["", "Ratios (eaglet / SpecForge; aims: accept length >= 1.05, trainer tokens/s >= 1.5):", ""]
     lines += [f"- {k}: {fmt(v, 3)}" for k, v in s["ratios"].items()]
@@ -112,8 +223,8 @@ def markdown(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(out_dir: Path, results_dir: Path) -> dict:
-    s = summarize(load(out_dir))
+def write(out_dir: Path, results_dir: Path, repeats: list[Path] = ()) -> dict:
+    s = summarize(load(out_dir), [json.loads(Path(p).read_text()) for p in repeats])
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "gpu-headtohead.json").write_text(json.dumps(s, indent=1))
     (results_dir / "gpu-headtohead.md").write_text(markdown(s))
@@ -121,4 +232,4 @@ def write(out_dir: Path, results_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    write(Path(sys.argv[1]), Path(sys.argv[2]))
+    write(Path(sys.argv[1]), Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]])

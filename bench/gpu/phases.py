@@ -1001,6 +1001,16 @@ PHASES = {
 }
 
 
+def fresh(phase: str) -> None:
+    """A phase not done starts from a clean record; what an earlier attempt ended with stays as a note."""
+    old = RESULTS.get(phase)
+    if not old or old.get("done"):
+        return
+    earlier = old.get("earlier_attempts", [])
+    note = {k: old[k] for k in ("date", "error", "skipped") if k in old}
+    RESULTS[phase] = {"earlier_attempts": earlier + [note]} if note or earlier else {}
+
+
 def main() -> int:
     # A call's time limit ends it with SIGTERM: leave through the finally blocks, which save the results and stop
     # every server and worker (left running, they would serve and steal the next call's work).
@@ -1013,11 +1023,15 @@ def main() -> int:
     try:
         for phase in sys.argv[1:]:
             log(f"=== {phase}")
-            if phase in PHASES and time.time() - T0 + ESTIMATE_S.get(phase, 60) > deadline:
+            fresh(phase)
+            estimate = ESTIMATE_S.get(phase, 60)
+            estimate = estimate() if callable(estimate) else estimate
+            if phase in PHASES and time.time() - T0 + estimate > deadline:
                 RESULTS.setdefault(phase, {})["skipped"] = (
                     f"not started: {time.time() - T0:.0f}s gone of {deadline:.0f}s"
                 )
                 log(f"{phase}: skipped, out of time")
+                save(phase)
                 continue
             try:
                 PHASES[phase]()

@@ -9,7 +9,7 @@
 #   .stage/p1     sglang 0.5.17, flashinfer 0.6.15.post1, sglang-kernel 0.4.5 (trimmed to sm90), plus
 #                 eaglet's own needs: redis-server (Debian bookworm, unpacked), the Python packages eaglet uses
 #                 that the image lacks (redis, hiredis, rq, croniter, pydantic-settings, python-dotenv,
-#                 tensorboardX, protobuf, jinja2, markupsafe), SmolLM2's tokenizer
+#                 tensorboardX), SmolLM2's tokenizer
 #   .stage/p2     the rest of SGLang's missing pure-Python dependencies, transformers 5.12.1 / tokenizers 0.22.2
 #                 (sglang's pin; the image's transformers 5.17 clashes at import)
 #   .stage/m1..3  the bundled SmolLM2-135M-Instruct GGUF (98 MB) in three parts (22, 56, 20 MB), joined there
@@ -62,13 +62,11 @@ DEPS="transformers==5.12.1 tokenizers==0.22.2 xgrammar==0.2.1 apache-tvm-ffi==0.
 dl "$WORK/dl" $DEPS
 # 3. eaglet's own needs beyond the image (versions as pinned in pyproject.toml, else those eaglet's tests run
 #    with). tests/bench/test_gpu_staging.py checks that every third-party module eaglet's GPU runs import is staged
-#    here or named in the image's package lists (bench/results/gpu-machine-*.txt).
-#    tensorboardX: the trainer's curves; protobuf: tensorboardX's need (the version pip picks for it).
-#    jinja2 (and its markupsafe): the chat template's errors (inference server, ingest, regeneration); the image's
-#    torch brings one, but the image's lists do not show it, so eaglet brings its own.
+#    here or named in the image's package lists (bench/results/gpu-machine-*.txt; the full list of 2026-12-01 has
+#    protobuf 7.36.2, tensorboardX's need, and jinja2). tensorboardX: the trainer's curves.
 mkdir -p "$STAGE/p1/eaglet"
 dl "$STAGE/p1/eaglet" redis==8.1.0 hiredis==3.5.0 rq==3.0.0 croniter==7.0.0 pydantic-settings==2.16.3 python-dotenv==1.2.4
-dl "$STAGE/p1/eaglet" tensorboardX==2.6.5 protobuf==7.36.2 jinja2==3.1.6 markupsafe==3.0.4
+dl "$STAGE/p1/eaglet" tensorboardX==2.6.5
 
 # 4. Trim the two big wheels.
 repack() {  # repack WHEEL OUTDIR PATHS_TO_DROP...

@@ -147,3 +147,33 @@ def test_report_names_a_broken_phase_file(tmp_path, bad):
     (tmp_path / "h2h-eval.json").write_text(bad)
     with pytest.raises(ValueError, match="h2h-eval.json"):
         h2hreport.load(tmp_path)
+
+
+def test_step_counts_read_back_from_redis_as_strings_are_formatted():
+    assert h2hreport.fmt("4168") == "4,168" and h2hreport.fmt("16600.5", 0) == "16,600" and h2hreport.fmt(None) == "—"
+    assert h2hreport.fmt("n/a") == "n/a"
+
+
+def test_acceptance_per_position_from_sglangs_histograms():
+    # entry n: verify steps that accepted exactly n drafts; two requests, chain of 3 drafts
+    s = h2hreport.position_acceptance([[2, 1, 1, 0], [0, 3, 2, 1]])
+    assert s["accepted_drafts_histogram"] == [2, 4, 3, 1]
+    assert s["accept_rate_per_position"] == [0.8, 0.4, 0.1]
+    assert h2hreport.position_acceptance([[], []]) == {}
+
+
+def test_agreement_counts_equal_outputs_and_where_the_others_part():
+    a = h2hreport.agreement(["abcdef", "xyz", "abcd", None], ["abcdef", "xbz", "abzz", "q"])
+    assert a["same"] == 1 and a["of"] == 4
+    assert a["first_difference_chars_median"] == 2 and a["first_difference_share_median"] == 0.5
+
+
+def test_report_shows_each_evaluation_call_side_by_side(tmp_path):
+    _write_phases(tmp_path)
+    again = json.loads((tmp_path / "h2h-eval.json").read_text())
+    again["eaglet"]["(3, 1, 4)"]["humaneval"]["output_tokens_per_s"] = 1300.0
+    (tmp_path / "again.json").write_text(json.dumps(again))
+    s = h2hreport.write(tmp_path, tmp_path / "results", [tmp_path / "again.json"])
+    assert [r["eaglet tok/s"] for r in s["rows"][0]["runs"]] == [1500.0, 1300.0]
+    md = (tmp_path / "results" / "gpu-headtohead.md").read_text()
+    assert "| (3, 1, 4) | humaneval | 2 | 1,000 | 2.100 | 1,300 | 2.000 | 1,400 |" in md

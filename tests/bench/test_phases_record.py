@@ -1,0 +1,46 @@
+"""The GPU bench's phase runner keeps one clean record per phase attempt."""
+
+import importlib
+import json
+import sys
+
+
+def load_phases(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("GPUBENCH_ROOT", str(tmp_path / "root"))
+    import phases
+
+    return importlib.reload(phases)  # its folders follow the environment at import
+
+
+def test_a_phase_run_again_starts_from_a_clean_record(tmp_path, monkeypatch):
+    P = load_phases(tmp_path, monkeypatch)
+    state = P.ROOT / "gpubench-results.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    earlier = {"error": "ModuleNotFoundError: No module named 'tensorboardX'", "rc": 1, "date": "then"}
+    state.write_text(json.dumps({"train": earlier, "data": {"done": True, "rows": 3}}))
+    ran = {}
+
+    def train():
+        ran["record_at_start"] = dict(P.RESULTS["train"])
+        P.RESULTS["train"].update(rc=0, done=True)
+
+    monkeypatch.setitem(P.PHASES, "train", train)
+    monkeypatch.setitem(P.PHASES, "data", lambda: None)
+    monkeypatch.setitem(P.ESTIMATE_S, "train", lambda: 1)  # estimates may be computed when the phase comes up
+    monkeypatch.setattr(sys, "argv", ["phases.py", "data", "train"])
+    assert P.main() == 0
+    assert ran["record_at_start"] == {"earlier_attempts": [{"date": "then", "error": earlier["error"]}]}
+    saved = json.loads((P.OUT / "train.json").read_text())
+    assert saved["rc"] == 0 and "error" not in saved and saved["done"]
+    assert json.loads((P.OUT / "data.json").read_text())["rows"] == 3  # a finished phase keeps its record
+
+
+def test_a_phase_whose_estimate_passes_the_deadline_is_skipped(tmp_path, monkeypatch):
+    P = load_phases(tmp_path, monkeypatch)
+    monkeypatch.setenv("GPUBENCH_DEADLINE_S", "100")
+    monkeypatch.setitem(P.PHASES, "long", lambda: (_ for _ in ()).throw(AssertionError("started")))
+    monkeypatch.setitem(P.ESTIMATE_S, "long", lambda: 500)
+    monkeypatch.setattr(sys, "argv", ["phases.py", "long"])
+    assert P.main() == 0
+    assert json.loads((P.OUT / "long.json").read_text())["skipped"].startswith("not started")
