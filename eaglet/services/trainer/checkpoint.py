@@ -140,9 +140,11 @@ def drafter_hf_config(cfg: DrafterConfig, target_config: dict, aux_layer_ids: li
         "tie_word_embeddings": False,  # SGLang would otherwise use the embedding as the LM head
         "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),  # vLLM: input of layer i
+        "norm_before_fc": cfg.norm_before_fc,  # vLLM reads it here; SGLang in eagle_config first, then here
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": sglang_arg_ids(aux_layer_ids),  # SGLang adds 1
             "use_aux_hidden_state": True,
+            "norm_before_fc": cfg.norm_before_fc,
         },
         "eaglet": {"aux_layer_ids_captured": list(aux_layer_ids), "drafter_config": cfg.to_dict()},
     }
@@ -263,6 +265,9 @@ def foreign_drafter_config(config: dict, state: dict[str, torch.Tensor], folder:
         except (TypeError, ValueError):
             raise CheckpointError(f"{where}: {key} is {value!r}, not a {kind.__name__}") from None
 
+    for key in ("fc_norm", "use_aux_norm"):  # per-layer norms before fc: SGLang has them, this model does not
+        if config.get(key):
+            raise CheckpointError(f"{where}: {key} is set; the drafter model has only norm_before_fc")
     hidden, heads, vocab = get("hidden_size"), get("num_attention_heads"), get("vocab_size")
     target_hidden = get("target_hidden_size", hidden)
     fc = state.get("fc.weight")
@@ -285,6 +290,7 @@ def foreign_drafter_config(config: dict, state: dict[str, torch.Tensor], folder:
             rms_norm_eps=get("rms_norm_eps", 1e-6, float),
             rope_theta=rope_theta(config),
             max_position_embeddings=get("max_position_embeddings", 2048),
+            norm_before_fc=bool((config.get("eagle_config") or {}).get("norm_before_fc", config.get("norm_before_fc"))),
         )
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from e

@@ -58,6 +58,9 @@ class DrafterConfig:
     """The target's base, for plain (unscaled) RoPE."""
     max_position_embeddings: int = 4096
     """The target's context length."""
+    norm_before_fc: bool = False
+    """One RMSNorm over the concatenated auxiliary states before ``fc`` (``input_norm``; SGLang's and vLLM's
+    ``norm_before_fc``): the three layers' states differ in scale by orders of magnitude."""
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -153,6 +156,7 @@ def drafter_config(
     num_aux_hidden_states: int = 3,
     head_dim: int = 0,
     kv_heads: int = 0,
+    norm_before_fc: bool = False,
 ) -> DrafterConfig:
     """The drafter shaped after a target's text config (a wrapper's ``text_config``, or the config itself)."""
     heads, kv, head_dim = attention_shape(text_config, head_dim, kv_heads)
@@ -168,6 +172,7 @@ def drafter_config(
         rms_norm_eps=text_config.get("rms_norm_eps", 1e-5),
         rope_theta=rope_theta(text_config),
         max_position_embeddings=text_config.get("max_position_embeddings", 4096),
+        norm_before_fc=norm_before_fc,
     )
 
 
@@ -317,7 +322,9 @@ class Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig, embed_tokens: torch.Tensor):
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(cfg.num_aux_hidden_states * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        fused = cfg.num_aux_hidden_states * cfg.target_hidden_size
+        self.input_norm = RMSNorm(fused, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc = nn.Linear(fused, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -335,6 +342,10 @@ class Drafter(nn.Module):
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's concatenated auxiliary states [.., n * H_target] -> the first step's hidden [.., H]."""
+        return self.fc(aux if self.input_norm is None else self.input_norm(aux))
 
     def step(self, embeds_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """One drafter pass. ``attend(q, k, v) -> [B, h, T, d]`` owns the cache: training's steps or decoding's.
@@ -360,7 +371,7 @@ class Drafter(nn.Module):
         B, T = input_ids.shape
         attention = ttt_attention_flex if attn_impl == "flex" else ttt_attention_math
         base = torch.arange(T, device=input_ids.device).expand(B, T)
-        hidden = self.fc(aux)
+        hidden = self.fuse(aux)
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
 

@@ -74,7 +74,7 @@ def speculative_generate(
     dcache = KVCache()
     # drafter catches up on the prompt: pairs (features at t, token t + 1), the last one the target's new token
     follow = torch.cat([input_ids[:, 1:], torch.tensor([emitted], device=device)], 1)
-    h = drafter.decode(follow, drafter.fc(aux_states(out.hidden_states, layer_ids).to(dtype)), 0, dcache)[:, -1:]
+    h = drafter.decode(follow, drafter.fuse(aux_states(out.hidden_states, layer_ids).to(dtype)), 0, dcache)[:, -1:]
     while not _done(emitted, max_new_tokens, eos):
         drafts: list[int] = []
         for j in range(k):
@@ -95,7 +95,7 @@ def speculative_generate(
         # keep what was accepted: the last emitted token + a drafts now have target features
         cache.crop(P + 1 + a - cache.get_seq_length())  # negative: the number of tokens to drop
         dcache.crop(P)
-        feats = drafter.fc(aux_states(out.hidden_states, layer_ids)[:, : a + 1].to(dtype))
+        feats = drafter.fuse(aux_states(out.hidden_states, layer_ids)[:, : a + 1].to(dtype))
         h = drafter.decode(torch.tensor([new], device=device), feats, P, dcache)[:, -1:]
         P += 1 + a
     return _stop(emitted, max_new_tokens, eos), stats

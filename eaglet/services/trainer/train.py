@@ -108,6 +108,12 @@ class TrainConfig:
     """math (scores materialized: short samples, CPU) | flex (block-sparse, O(T * steps) memory) | auto: flex on GPU."""
     init_from_target: bool = True
     """Start lm_head from the target's LM head rows of the draft vocabulary and norm from its final norm."""
+    norm_before_fc: bool = False
+    """An RMSNorm over the concatenated auxiliary states before fc (written to config.json as ``norm_before_fc``,
+    which SGLang and vLLM load)."""
+    aux_noise: float = 0.0
+    """Uniform noise in [-a, a] added to the auxiliary states while training (never to held-out figures): the
+    drafter meets the engine's states, computed in other batches, not the stored ones. speculators uses 0.05."""
     oov_mask: OovMask = "auto"
     """on | off | auto (on on GPU): drop positions whose target top token (over the full vocabulary) is not in the
     draft vocabulary. Costs a full-vocabulary projection per token; off on CPU for speed."""
@@ -130,6 +136,8 @@ class TrainConfig:
         for name in ("draft_head_dim", "draft_kv_heads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be 0 (the rule) or more, got {getattr(self, name)}")
+        if self.aux_noise < 0:
+            raise ValueError(f"TrainConfig.aux_noise must be 0 (off) or more, got {self.aux_noise}")
         if self.loader_workers < 0:
             raise ValueError(
                 f"TrainConfig.loader_workers must be 0 (read in the loop) or more, got {self.loader_workers}"
@@ -198,6 +206,10 @@ class TTTObjective(nn.Module):
         would compute on the whole batch. Otherwise (one process, evaluation) the figures of this batch alone."""
         T = input_ids.shape[1]
         tlogp, usable = self.targets(hidden_states)
+        if self.training and self.cfg.aux_noise > 0:
+            aux_hidden_states = aux_hidden_states + torch.empty_like(aux_hidden_states).uniform_(
+                -self.cfg.aux_noise, self.cfg.aux_noise
+            )
         outs = self.drafter.forward_ttt(input_ids, aux_hidden_states, self.cfg.ttt_steps, self.attention)
         # step i at position t predicts token t + 2 + i from the target's logits at t + 1 + i; a step past the
         # batch's length has no position here (but may elsewhere: every process counts every step)
@@ -237,6 +249,7 @@ def build_drafter(
         shape = drafter_config(
             tcfg.get("text_config", tcfg), vocab_size=tensors["embed"].shape[0], draft_vocab_size=len(draft_ids),
             num_aux_hidden_states=len(layers), head_dim=cfg.draft_head_dim, kv_heads=cfg.draft_kv_heads,
+            norm_before_fc=cfg.norm_before_fc,
         )  # fmt: skip
     model = Drafter(shape, tensors["embed"].float())
     model.set_vocab(draft_ids)
@@ -342,6 +355,7 @@ class Session:
     data_dir: Path
     target_dir: Path
     folder: Path  # the run's checkpoints
+    drafter_out: Path  # where the drafter is written
     train_items: list[data.Item]
     held_items: list[data.Item]
     aux_layer_ids: list[int]  # the layers the stored states were captured at
@@ -369,10 +383,16 @@ def states_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def train(*, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cfg: TrainConfig, env: Dist) -> dict:
+def train(
+    *, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cfg: TrainConfig, env: Dist,
+    out_dir: Path | None = None,
+) -> dict:  # fmt: skip
     """Trains the run's drafter and writes ``<run>/drafter/``; resumes from the newest checkpoint if any.
-    Returns the final figures (also in the Redis hash)."""
-    s = start(redis, run_id, Path(data_dir), Path(target_dir), cfg, env)
+    Returns the final figures (also in the Redis hash, when given one).
+
+    ``out_dir``: another drafter from the same extraction (a recipe compared with the run's own): its checkpoints,
+    curves and drafter go to ``out_dir/{checkpoints,curves,drafter}`` and the run's own stay as they are."""
+    s = start(redis, run_id, Path(data_dir), Path(target_dir), cfg, env, out_dir)
     try:
         while s.step < s.total:
             train_epoch(s)
@@ -384,7 +404,10 @@ def train(*, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path,
     return final
 
 
-def start(redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cfg: TrainConfig, env: Dist) -> Session:
+def start(
+    redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cfg: TrainConfig, env: Dist,
+    out_dir: Path | None = None,
+) -> Session:  # fmt: skip
     """The run's split, the drafter (fresh, or as the newest checkpoint left it) and its optimizer."""
     state = RunState(redis, run_id) if redis is not None else None
     meta = state.meta() if state is not None else RunMeta()
@@ -394,7 +417,8 @@ def start(redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cf
     if not train_items:
         raise RuntimeError(f"run {run_id}: no extracted samples to train on ({len(indexes)} done)")
     layers = captured_layers(meta, data_dir, run_id, train_items)
-    folder = checkpoints_dir(data_dir, run_id)
+    out = Path(out_dir) if out_dir is not None else None
+    folder = out / "checkpoints" if out else checkpoints_dir(data_dir, run_id)
     folder.mkdir(parents=True, exist_ok=True)
     saved = ckpt.load_latest_state(folder)
     draft_ids = saved["draft_ids"] if saved is not None else draft_vocab(samples, train_items, target_dir, cfg, env)
@@ -409,9 +433,10 @@ def start(redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cf
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, cfg.min_lr_ratio))
     s = Session(
         cfg=cfg, env=env, run_id=run_id, data_dir=data_dir, target_dir=target_dir, folder=folder,
+        drafter_out=out / "drafter" if out else drafter_dir(data_dir, run_id),
         train_items=train_items, held_items=held_items, aux_layer_ids=layers,
         draft_ids=draft_ids, objective=objective, model=distribute(objective, env), opt=opt, sched=sched,
-        rep=Reporter(state, folder, curves_dir(data_dir, run_id), env.main), total=total,
+        rep=Reporter(state, folder, out / "curves" if out else curves_dir(data_dir, run_id), env.main), total=total,
     )  # fmt: skip
     if saved is not None:
         resume(s, saved)
@@ -576,7 +601,7 @@ def save(s: Session) -> Path:
     }  # fmt: skip
     path = ckpt.save_state(s.folder, s.step, blob, s.cfg.keep_checkpoints)
     target_config = model_config(s.target_dir)
-    out = ckpt.save_drafter(drafter_dir(s.data_dir, s.run_id), drafter, target_config, s.aux_layer_ids, s.dtype)
+    out = ckpt.save_drafter(s.drafter_out, drafter, target_config, s.aux_layer_ids, s.dtype)
     s.rep.set(TrainProgress(last_checkpoint=str(path), drafter_dir=str(out)))
     return path
 
