@@ -8,12 +8,15 @@ from redis import Redis
 from redis.exceptions import RedisError
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from eaglet.shared import statustext as words
 from eaglet.shared.config import StatusSettings
+from eaglet.shared.records import FINISHED_STAGES
 from eaglet.shared.status import (
     Cluster,
     InferenceStatus,
@@ -31,6 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default 2)")
     p.add_argument("--json", action="store_true", help="print the same JSON as GET /status or /runs/{id}")
+    p.add_argument("--brief", action="store_true", help="one line per active run: progress, rates, errors, disk, "
+                   "ETA, GPUs and a verdict")  # fmt: skip
     p.add_argument("--redis-url", help="default: EAGLET_REDIS_URL")
     p.add_argument("--limit", type=int, default=10, help="most runs shown (default 10)")
     args = p.parse_args(argv)
@@ -39,85 +44,74 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "–"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000:
-            return f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} PB"
-
-
-def _duration(s: float | None) -> str:
-    if s is None:
-        return "–"
-    h, rest = divmod(int(s), 3600)
-    return f"{h}h {rest // 60}m" if h else f"{rest // 60}m {rest % 60}s"
-
-
 def _bar(percent: float | None) -> ProgressBar:
-    return ProgressBar(total=100, completed=percent or 0, width=40)
+    return ProgressBar(total=100, completed=percent or 0, width=24)
 
 
 def render_run(run: RunStatus) -> Panel:
-    ex, st, tr = run.extraction, run.storage, run.training
+    """The run's lines of words (``RunStatus.lines``), a bar beside each stage that has a percent."""
+    percents = {"extraction": run.extraction.percent, "training": run.training.percent}
+    if run.regeneration is not None:
+        percents["regeneration"] = run.regeneration.percent
     grid = Table.grid(padding=(0, 1))
-    if (rg := run.regeneration) is not None:
-        pct = f"{rg.percent:.1f} %" if rg.percent is not None else "–"
-        grid.add_row("regeneration", _bar(rg.percent), f"{rg.done:,} done, {rg.failed:,} failed of "
-                     f"{rg.total if rg.total is not None else '?'} prompts ({pct})")  # fmt: skip
-        rates = f"{rg.tokens_out_per_s:,.0f} tokens/s out, ETA {_duration(rg.eta_s)}"
-        tokens = f"tokens in {rg.tokens_in:,} / out {rg.tokens_out:,}, {rg.retries} retries"
-        grid.add_row("", f"{rg.prompts_per_s:.2f} prompts/s", f"{rates}, {tokens}")
-    pct = f"{ex.percent:.1f} %" if ex.percent is not None else "–"
-    grid.add_row("extraction", _bar(ex.percent), f"{ex.done:,} done, {ex.failed:,} failed of {ex.total or '?'} ({pct})")
-    grid.add_row(
-        "rate",
-        f"{ex.samples_per_s:.2f} samples/s",
-        f"{ex.tokens_per_s:,.0f} tokens/s, ETA {_duration(ex.eta_s)}, {ex.in_flight} in flight, "
-        f"error rate {'–' if ex.error_rate is None else f'{ex.error_rate:.1%}'}",
-    )
-    grid.add_row(
-        "storage",
-        _bytes(st.bytes_written),
-        f"{_bytes(st.bytes_per_token)}/token, projected {_bytes(st.projected_total_bytes)}, "
-        f"free {_bytes(st.disk_free)}",
-    )
-    if tr.step is not None:
-        grid.add_row(
-            "training",
-            _bar(tr.percent),
-            f"step {tr.step:,}/{tr.total_steps or '?'}, loss {tr.loss}, acc {tr.accuracy}, ETA {_duration(tr.eta_s)}",
-        )
-    if run.evaluation:
-        grid.add_row("evaluation", "", ", ".join(f"{k} {v}" for k, v in run.evaluation.items()))
-    for e in ex.last_errors[:5]:
+    for stage, line in run.lines.items():
+        grid.add_row(stage, _bar(percents[stage]) if stage in percents else "", line)
+    for e in run.extraction.last_errors[:5]:
         grid.add_row(Text("error", style="red"), e.sample_id, Text(e.reason, overflow="ellipsis"))
     for a in run.alerts:
         grid.add_row(Text("ALERT", style="bold white on red"), a.kind, a.message)
-    title = f"{run.run_id} [bold]{run.stage}[/]" + (f" [red]{run.error}[/]" if run.error else "")
+    verdict = f" · {escape(run.verdict)}" if run.verdict != run.stage else ""
+    title = f"{run.run_id} [bold]{run.stage}[/]{verdict}"
     return Panel(grid, title=title, title_align="left")
 
 
-def render_cluster(cluster: Cluster) -> Group:
+def render_cluster(cluster: Cluster, now: float) -> Group:
     table = Table("worker", "state", "run", "sample", "heartbeat", "s a sample: server / check / store",
                   title="workers", title_justify="left")  # fmt: skip
     for w in cluster.workers:
         state = Text(f"lost ({w.state})", style="bold red") if w.lost else w.state
         st = w.stage_seconds
         stages = f"{st['prefill']:.2f} / {st['check']:.2f} / {st['store']:.2f}" if "store" in st else ""
-        table.add_row(w.name, state, w.run, w.sample, f"{w.seconds_since_heartbeat:.1f} s ago", stages)
+        table.add_row(w.name, state, w.run, w.sample, f"{words.duration(w.seconds_since_heartbeat)} ago", stages)
+    parts: list = [table]
+    if cluster.workers_gone:
+        parts.append(Text(f"lost: {cluster.workers_gone} more, silent for longer (not listed)", style="dim"))
     servers = Table("host", "inference server", "health", "model", "extraction", "detail",
                     title="inference servers", title_justify="left")  # fmt: skip
     for s in cluster.inference:
         detail = s.detail
         if s.dump_backpressure is not None:  # the share of the recent time its forwards waited for the dump folder
             detail += f" · dumps wait {s.dump_backpressure:.0%}"
-        rate = f"{s.tokens_per_s:,.0f} tok/s, {s.samples_per_s:.2f} samples/s, {s.workers} worker(s)"
-        servers.add_row(s.host, s.url, "healthy" if s.healthy else Text("down", style="red"), server_model(s), rate,
-                        detail)  # fmt: skip
-    return Group(table, servers)
+        rate = f"{words.figure(s.tokens_per_s)} tok/s, {words.figure(s.samples_per_s)} samples/s, {s.workers} worker(s)"
+        health = "healthy" if s.healthy else Text(f"down ({server_age(s)})", style="red")
+        servers.add_row(s.host, s.url, health, server_model(s), rate, detail)
+    parts.append(servers)
+    if cluster.inference_gone:
+        gone = ", ".join(f"{s.host} {s.url} (last at {words.clock(now - s.seconds_since_report, now)})"
+                         for s in cluster.inference_gone)  # fmt: skip
+        parts.append(Text(f"no longer reported (finished runs' servers): {gone}", style="dim"))
+    parts.append(render_gpus(cluster))
+    return Group(*parts)
+
+
+def server_age(s: InferenceStatus) -> str:
+    return f"reported {words.duration(s.seconds_since_report)} ago"
+
+
+def render_gpus(cluster: Cluster) -> Table:
+    """Each GPU of each reporting host: how busy, how full; one row saying why where they are unknown."""
+    table = Table("host", "used by", "GPU", "busy", "memory", "reported", title="GPUs", title_justify="left")
+    for h in cluster.gpus:
+        who = f"{h.role} {h.run}".strip()
+        age = f"{words.duration(h.seconds_since_report)} ago"
+        if h.gpus is None:
+            table.add_row(h.host, who, h.detail, "", "", age)
+        for g in h.gpus or []:
+            memory = f"{words.size(g.memory_used)} / {words.size(g.memory_total)}"
+            table.add_row(h.host, who, f"{g.index} {g.name}", words.percent(g.utilization), memory, age)
+    if not cluster.gpus:
+        table.add_row("", "", "no inference supervisor or trainer reports its GPUs", "", "", "")
+    return table
 
 
 def server_model(s: InferenceStatus) -> str:
@@ -132,23 +126,33 @@ def server_model(s: InferenceStatus) -> str:
     return ", ".join(parts)
 
 
-def snapshot(redis: Redis, args: argparse.Namespace, config: StatusConfig, disk) -> tuple[object, Group | None]:
+def brief_lines(runs: list[RunStatus]) -> list[str]:
+    """One line per run that is not finished; the newest run's when all are (what it did, and ``done``)."""
+    active = [r for r in runs if r.stage not in FINISHED_STAGES]
+    return [r.brief for r in active or runs[:1]] or ["no run yet"]
+
+
+def snapshot(redis: Redis, args: argparse.Namespace, config: StatusConfig, disk) -> tuple[object, object | None]:
     """The report (for --json) and its rendering; the rendering is None if the run is unknown."""
     if args.run_id:
         report = read_run(redis, args.run_id, config=config, local_disk=disk)
         if report is None:
             return None, None
-        return report, Group(render_run(report.run), render_cluster(report.cluster))
+        if args.brief:
+            return report, Text(report.run.brief)
+        return report, Group(render_run(report.run), render_cluster(report.cluster, report.generated_at))
     report = read_status(redis, config=config, limit=args.limit, local_disk=disk)
+    if args.brief:
+        return report, Text("\n".join(brief_lines(report.runs)))
     runs = [render_run(r) for r in report.runs] or [Text("no run yet")]
-    return report, Group(*runs, render_cluster(report.cluster))
+    return report, Group(*runs, render_cluster(report.cluster, report.generated_at))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = StatusSettings()
     redis = Redis.from_url(args.redis_url or settings.redis_url, decode_responses=True)
-    config, console = settings.status_config(), Console()
+    config, console = settings.status_config(), Console(soft_wrap=args.brief)  # a brief line stays one line
     disk = disk_usage(settings.data_dir)
     try:
         report, view = snapshot(redis, args, config, disk)

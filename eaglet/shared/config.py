@@ -4,6 +4,7 @@ Entry points build one ``Settings`` and pass plain values down; nothing below th
 environment.
 """
 
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -63,6 +64,11 @@ class Settings(BaseSettings):
 
     api_token: str = ""
     """Bearer token for the gateway's run-control endpoints. Empty disables them."""
+
+    @property
+    def status_host(self) -> str:
+        """This host's name in the status: ``host_name``, else the machine's."""
+        return self.host_name or socket.gethostname()
 
     @property
     def lost_after_s(self) -> float:

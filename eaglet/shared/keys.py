@@ -4,6 +4,7 @@ PREFIX = "eaglet"
 RUNS = f"{PREFIX}:runs"  # ZSET run id -> created (unix s)
 WORKERS = f"{PREFIX}:workers"  # HASH worker name -> records.WorkerBeat (JSON)
 INFERENCE = f"{PREFIX}:inference"  # HASH server url -> records.InferenceBeat (JSON), written by the workers using it
+GPUS = f"{PREFIX}:gpus"  # HASH "role host pid" -> records.GpuBeat (JSON): a host's GPUs, by the process using them
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: JSON {"run", "event", "ts"}
 CONTROL_QUEUE = f"{PREFIX}-control"  # RQ queue of run-level jobs (ingest a dataset); ingest workers listen to it
 SERIES_RECORDER = f"{PREFIX}:series:recorder"  # STRING, expiring: the gateway process recording this interval's points

@@ -15,6 +15,7 @@ Redis keeps text; these records parse it once, here, so no other module reads or
     EvalResult             RunKeys.eval: the evaluation's figures as they come
     WorkerBeat             one value of keys.WORKERS: a worker's heartbeat (JSON)
     InferenceBeat          one value of keys.INFERENCE: an inference server's health as a worker saw it (JSON)
+    GpuBeat                one value of keys.GPUS: the GPUs of an inference supervisor or a trainer, read via NVML
     WorkerState            what a worker is doing (``WorkerBeat.state``)
     WorkerRole             what kind of worker it is (``WorkerBeat.role``)
 
@@ -349,4 +350,64 @@ class InferenceBeat:
             dump_wait_fraction=_number(raw.get("dump_wait_fraction"), float),
             dump_queued_bytes=_number(raw.get("dump_queued_bytes"), int),
             dump_cap_bytes=_number(raw.get("dump_cap_bytes"), int),
+        )
+
+
+class GpuRole(StrEnum):
+    inference = "inference"  # the inference service's supervisor, for its server's GPUs
+    trainer = "trainer"  # the trainer (rank 0), for the GPUs of its host it trains on
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuStat:
+    """One GPU as NVML reads it."""
+
+    index: int
+    name: str = ""
+    utilization: float | None = None
+    """Percent of the last sample period in which a kernel ran (NVML's GPU utilization)."""
+    memory_used: int | None = None
+    memory_total: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuBeat:
+    """The GPUs one process uses, at ``ts``. ``gpus`` is None where they cannot be read (``detail`` says why)."""
+
+    role: GpuRole
+    host: str
+    ts: float
+    pid: int | None = None
+    run: str = ""
+    """The run a trainer trains; empty for an inference server, which serves every run."""
+    gpus: list[GpuStat] | None = None
+    detail: str = ""
+
+    def to_redis(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_redis(cls, value: str) -> Self:
+        raw = json.loads(value)
+        gpus = raw.get("gpus")
+        return cls(
+            role=GpuRole(raw.get("role") or GpuRole.inference),
+            host=str(raw.get("host") or ""),
+            ts=float(raw.get("ts") or 0),
+            pid=_number(raw.get("pid"), int),
+            run=str(raw.get("run") or ""),
+            gpus=None
+            if not isinstance(gpus, list)
+            else [
+                GpuStat(
+                    index=int(g.get("index", i)),
+                    name=str(g.get("name") or ""),
+                    utilization=_number(g.get("utilization"), float),
+                    memory_used=_number(g.get("memory_used"), int),
+                    memory_total=_number(g.get("memory_total"), int),
+                )
+                for i, g in enumerate(gpus)
+                if isinstance(g, dict)
+            ],  # fmt: skip
+            detail=str(raw.get("detail") or ""),
         )

@@ -24,6 +24,9 @@ from eaglet.shared.records import (
     LOST_AFTER_BEATS,
     TRAINER_STAGES,
     EvalResult,
+    GpuBeat,
+    GpuRole,
+    GpuStat,
     RunMeta,
     Stage,
     TrainProgress,
@@ -31,6 +34,7 @@ from eaglet.shared.records import (
     WorkerRole,
 )
 from eaglet.shared.runstate import RECENT_CAP
+from eaglet.shared.statustext import describe
 
 RATE_SAMPLES = 256
 """Newest completions read for the rates: when all of them lie inside the window, the window shrinks to the
@@ -50,6 +54,12 @@ class StatusConfig:
     """...and never for less than this (a run of a few slow samples is not stalled)."""
     lost_after_s: float = LOST_AFTER_BEATS * HEARTBEAT_INTERVAL_S
     """A worker whose heartbeat is older than this is lost (a few heartbeat intervals)."""
+    forget_after_s: float = 300.0
+    """A worker, server or GPU report silent for this long past ``lost_after_s`` leaves the tables (a dead worker is
+    then only counted, in ``workers_gone``): what died minutes ago is the run's history, not its present."""
+    eta_hold_min_s: float = 15.0
+    """The ETA is withheld while no completion came for ``stall_factor`` times the usual interval, and never
+    sooner than this: a batching server finishes many samples at once, then none for a few seconds."""
     error_rate_threshold: float = 0.05
     """Alert when the share of failed attempts goes above this."""
     error_rate_min_attempts: int = 10
@@ -58,7 +68,7 @@ class StatusConfig:
     """How many of the newest errors each run shows."""
 
     def __post_init__(self):
-        for name in ("window_s", "stall_factor", "stall_min_s", "lost_after_s"):
+        for name in ("window_s", "stall_factor", "stall_min_s", "lost_after_s", "forget_after_s", "eta_hold_min_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"status config {name}={getattr(self, name)}: must be > 0")
         if not 0 <= self.error_rate_threshold <= 1:
@@ -88,6 +98,11 @@ class Extraction(BaseModel):
         "null when unknown"
     )
     tokens_remaining: int | None = Field(None, description="Tokens of the samples without an outcome")
+    stalled_since: float | None = Field(
+        None,
+        description="When the newest sample completed, while none has for longer than the usual interval "
+        "allows: the ETA is withheld (null) until samples complete again",
+    )
     error_rate: float | None = Field(description="Failed samples over samples with an outcome")
     recent_error_rate: float | None = Field(description="Errored attempts over all attempts in the recent window")
     recent_attempts: int = Field(description="Attempts (completions and errors) in the recent window")
@@ -98,6 +113,9 @@ class Extraction(BaseModel):
     last_done_at: float | None
     seconds_since_last_done: float | None
     last_errors: list[ErrorEntry]
+    wall_s: float | None = Field(None, description="From the start of extraction to its end, once complete")
+    mean_samples_per_s: float | None = Field(None, description="Samples with an outcome over wall_s, once complete")
+    mean_tokens_per_s: float | None = Field(None, description="Tokens stored over wall_s, once complete")
 
 
 class Regeneration(BaseModel):
@@ -119,6 +137,10 @@ class Regeneration(BaseModel):
     completed_at: float | None = Field(description="When the regenerated file was written")
     last_done_at: float | None
     seconds_since_last_done: float | None
+    stalled_since: float | None = Field(None, description="As extraction's: the ETA is withheld meanwhile")
+    wall_s: float | None = Field(None, description="From the start of regeneration to the file, once written")
+    mean_prompts_per_s: float | None = None
+    mean_tokens_out_per_s: float | None = None
 
 
 class Storage(BaseModel):
@@ -166,6 +188,15 @@ class RunStatus(BaseModel):
     training: Training
     evaluation: dict[str, float | str] = Field(description="Acceptance length and friends, once evaluated")
     alerts: list[Alert]
+    verdict: str = Field("", description="In a few words: running, stalled for 3 min ..., waiting for GPUs, "
+                         "training, done, failed: reason")  # fmt: skip
+    brief: str = Field("", description="The run in one line: done / total and percent, rates, errors and their "
+                       "share, disk used and free, ETA, its GPUs, the verdict")  # fmt: skip
+    lines: dict[str, str] = Field(
+        default_factory=dict,
+        description="One line of words per stage the run has: regeneration, extraction, "
+        "storage, training, evaluation (what the page and `eaglet status` print)",
+    )
 
 
 class WorkerStatus(BaseModel):
@@ -207,11 +238,29 @@ class InferenceStatus(BaseModel):
     dump_cap_bytes: int | None = None
 
 
+class GpuHostStatus(BaseModel):
+    role: GpuRole = Field(description="inference: the inference supervisor's server; trainer: a trainer's")
+    host: str
+    pid: int | None
+    run: str = Field(description="The run a trainer trains; empty for an inference server")
+    gpus: list[GpuStat] | None = Field(description="Utilization (%) and memory (bytes) per GPU; null: unknown")
+    detail: str = Field(description="Why the GPUs are unknown (no NVML here, a driver error)")
+    seconds_since_report: float
+    live: bool = Field(description="Reported within the lost-after interval")
+
+
 class Cluster(BaseModel):
-    workers: list[WorkerStatus]
+    workers: list[WorkerStatus] = Field(description="Live workers, and those lost within forget_after_s")
     workers_live: int
-    workers_lost: int
-    inference: list[InferenceStatus]
+    workers_lost: int = Field(description="Lost workers listed in workers")
+    workers_gone: int = Field(0, description="Workers lost longer ago than forget_after_s: counted, not listed")
+    inference: list[InferenceStatus] = Field(description="Servers their workers reported within forget_after_s")
+    inference_gone: list[InferenceStatus] = Field(
+        default_factory=list, description="Servers no worker reported for longer: those of finished runs"
+    )
+    gpus: list[GpuHostStatus] = Field(
+        default_factory=list, description="The GPUs of each inference supervisor and trainer that reported lately"
+    )
     disk_free: int | None
     disk_total: int | None
 
@@ -251,8 +300,9 @@ def read_status(
         _queue_run(pipe, run_id, config)
     replies = pipe.execute()
     now = time.time() if now is None else now
-    cluster = _cluster(replies[0], replies[1], config, now, local_disk)
-    runs = [_run(run_id, replies[2 + i * RUN_REPLIES :], cluster, config, now) for i, run_id in enumerate(run_ids)]
+    cluster = _cluster(*replies[:CLUSTER_REPLIES], config, now, local_disk)
+    runs = [_run(run_id, replies[CLUSTER_REPLIES + i * RUN_REPLIES :], cluster, config, now)
+            for i, run_id in enumerate(run_ids)]  # fmt: skip
     return StatusReport(generated_at=now, runs_total=runs_total, offset=offset, limit=limit, runs=runs, cluster=cluster)
 
 
@@ -270,16 +320,21 @@ def read_run(
     _queue_cluster(pipe)
     _queue_run(pipe, run_id, config)
     replies = pipe.execute()
-    if replies[0] is None and not replies[3]:
+    run_replies = replies[1 + CLUSTER_REPLIES :]
+    if replies[0] is None and not run_replies[0]:
         return None
     now = time.time() if now is None else now
-    cluster = _cluster(replies[1], replies[2], config, now, local_disk)
-    return RunReport(generated_at=now, run=_run(run_id, replies[3:], cluster, config, now), cluster=cluster)
+    cluster = _cluster(*replies[1 : 1 + CLUSTER_REPLIES], config, now, local_disk)
+    return RunReport(generated_at=now, run=_run(run_id, run_replies, cluster, config, now), cluster=cluster)
+
+
+CLUSTER_REPLIES = 3
 
 
 def _queue_cluster(pipe) -> None:
     pipe.hgetall(keys.WORKERS)
     pipe.hgetall(keys.INFERENCE)
+    pipe.hgetall(keys.GPUS)
 
 
 RUN_REPLIES = 9
@@ -314,15 +369,17 @@ def _int(d: dict, key: str) -> int | None:
 
 
 def _cluster(
-    workers: dict, inference: dict, config: StatusConfig, now: float, local_disk: tuple[int, int] | None
+    workers: dict, inference: dict, gpus: dict, config: StatusConfig, now: float, local_disk: tuple[int, int] | None
 ) -> Cluster:
-    rows = [(beat, max(0.0, now - beat.ts), beat.lost(now, config.lost_after_s), name)
-            for name, beat in sorted(parse_workers(workers).items())]  # fmt: skip
-    servers = []
+    forget_after = config.lost_after_s + config.forget_after_s
+    every = [(beat, max(0.0, now - beat.ts), beat.lost(now, config.lost_after_s), name)
+             for name, beat in sorted(parse_workers(workers).items())]  # fmt: skip
+    rows = [row for row in every if not row[2] or row[1] <= forget_after]
+    servers, gone = [], []
     for health in sorted(parse_inference(inference).values(), key=lambda h: (h.host, h.url)):
         age = max(0.0, now - health.ts)
         users = [b for b, _, lost, _ in rows if not lost and (b.host, b.inference_url) == (health.host, health.url)]
-        servers.append(
+        (servers if age <= forget_after else gone).append(
             InferenceStatus(
                 url=health.url,
                 host=health.host,
@@ -349,10 +406,37 @@ def _cluster(
         workers=[_worker(name, beat, age, lost) for beat, age, lost, name in rows],
         workers_live=sum(not lost for _, _, lost, _ in rows),
         workers_lost=sum(lost for _, _, lost, _ in rows),
+        workers_gone=len(every) - len(rows),
         inference=servers,
+        inference_gone=gone,
+        gpus=_gpu_hosts(gpus, config, now, forget_after),
         disk_free=disk[0] if disk else None,
         disk_total=disk[1] if disk else None,
     )
+
+
+def _gpu_hosts(raw: dict, config: StatusConfig, now: float, forget_after: float) -> list[GpuHostStatus]:
+    hosts = []
+    for value in raw.values():
+        try:
+            beat = GpuBeat.from_redis(value)
+        except (ValueError, TypeError):  # one bad report must not break the status
+            continue
+        age = max(0.0, now - beat.ts)
+        if age <= forget_after:
+            hosts.append(
+                GpuHostStatus(
+                    role=beat.role,
+                    host=beat.host,
+                    pid=beat.pid,
+                    run=beat.run,
+                    gpus=beat.gpus,
+                    detail=beat.detail,
+                    seconds_since_report=age,
+                    live=age <= config.lost_after_s,
+                )
+            )
+    return sorted(hosts, key=lambda h: (h.role, h.host, h.pid or 0))  # fmt: skip
 
 
 def _worker(name: str, beat: WorkerBeat, age: float, lost: bool) -> WorkerStatus:
@@ -374,7 +458,11 @@ def _worker(name: str, beat: WorkerBeat, age: float, lost: bool) -> WorkerStatus
 
 def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now: float) -> RunStatus:
     raw_meta, counts, in_flight, recent, errors, raw_train, raw_eval, regen, regen_recent = replies[:RUN_REPLIES]
-    meta = RunMeta.from_redis(raw_meta)
+    meta, progress, result = (
+        RunMeta.from_redis(raw_meta),
+        TrainProgress.from_redis(raw_train),
+        EvalResult.from_redis(raw_eval),
+    )
     stage = meta.stage or Stage.ingesting
     completions = _parse_recent(recent)
     extraction = _extraction(meta, counts, in_flight, completions, errors, config, now)
@@ -390,23 +478,49 @@ def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now
         regeneration=_regeneration(meta, regen, answered, config, now) if meta.regenerate_input else None,
         extraction=extraction,
         storage=storage,
-        training=_training(stage, meta, TrainProgress.from_redis(raw_train), now),
-        evaluation=_evaluation(EvalResult.from_redis(raw_eval)),
+        training=_training(stage, meta, progress, now),
+        evaluation=_evaluation(result),
         alerts=[],
     )
     run.alerts = _alerts(run, answered if stage == Stage.regenerating else completions, cluster, config, now)
+    run.verdict, run.brief, run.lines = describe(run, meta, progress, result, cluster, now)
     return run
 
 
-def _rates(completions: list[tuple[float, int, int]], started: float | None, config: StatusConfig, now: float):
+def _rates(
+    completions: list[tuple[float, int, int]], started: float | None, config: StatusConfig, now: float, gap_s: float
+):
     """(completions/s, their tokens/s) over the recent window, or over the newest ones read when they all lie in
-    it, or since ``started`` when that is later; and the completions in the window."""
+    it, or since ``started`` when that is later, or since the end of a gap longer than ``gap_s`` (a stall: the
+    rate before it says nothing of the rate after); and the completions in the window."""
     in_window = [c for c in completions if c[0] >= now - config.window_s]
+    counted = in_window
     span = config.window_s if started is None else min(config.window_s, now - started)
     if len(completions) >= min(RATE_SAMPLES, RECENT_CAP) and len(in_window) == len(completions):
         span = now - completions[-1][0]  # more completions than we read lie in the window: rate over those read
+    gap = next((i for i in range(len(in_window) - 1) if in_window[i][0] - in_window[i + 1][0] > gap_s), None)
+    if gap is not None:  # the first completion after the stall waited through it: counted from, not counted
+        counted, span = in_window[:gap], now - in_window[gap][0]
     span = max(span, 1e-9)
-    return len(in_window) / span, sum(c[1] for c in in_window) / span, in_window
+    return len(counted) / span, sum(c[1] for c in counted) / span, in_window
+
+
+def _stalled_since(
+    completions: list[tuple[float, int, int]], since: float, config: StatusConfig, now: float
+) -> tuple[float | None, float]:
+    """When the stage stalled (``since``: its newest completion, or its start) if nothing completed for longer
+    than the usual interval allows, else None; and that allowance, the gap that cuts the rates."""
+    usual = _usual_interval(completions)
+    hold = max(config.stall_factor * usual, config.eta_hold_min_s) if usual else _stall_limit(None, config)
+    return (since if now - since > hold else None), hold
+
+
+def _wall(started: float | None, completed: float | None) -> float | None:
+    return completed - started if started is not None and completed is not None else None
+
+
+def _mean(amount: int, wall: float | None) -> float | None:
+    return amount / wall if wall else None
 
 
 def _regeneration(
@@ -415,8 +529,12 @@ def _regeneration(
     total, done, failed = _int(raw, "total"), _int(raw, "done") or 0, _int(raw, "failed") or 0
     remaining = max(0, total - done - failed) if total is not None else None
     started = _float(raw, "started_at") or meta.created_at
-    prompts_per_s, tokens_per_s, _ = _rates(answered, started, config, now)
     last_done = _float(raw, "last_done_at")
+    stalled, hold = _stalled_since(answered, last_done or started or now, config, now)
+    if remaining == 0 or meta.regenerated_at is not None:
+        stalled = None
+    prompts_per_s, tokens_per_s, _ = _rates(answered, started, config, now, hold)
+    wall, tokens_out = _wall(started, meta.regenerated_at), _int(raw, "tokens_out") or 0
     return Regeneration(
         total=total,
         done=done,
@@ -425,15 +543,19 @@ def _regeneration(
         percent=100.0 * (done + failed) / total if total else None,
         prompts_per_s=prompts_per_s,
         tokens_in=_int(raw, "tokens_in") or 0,
-        tokens_out=_int(raw, "tokens_out") or 0,
+        tokens_out=tokens_out,
         tokens_out_per_s=tokens_per_s,
-        eta_s=remaining / prompts_per_s if remaining is not None and prompts_per_s > 0 else None,
+        eta_s=remaining / prompts_per_s if remaining is not None and prompts_per_s > 0 and not stalled else None,
         retries=_int(raw, "retries") or 0,
         error_rate=failed / (done + failed) if done + failed else None,
         started_at=started,
         completed_at=meta.regenerated_at,
         last_done_at=last_done,
         seconds_since_last_done=now - last_done if last_done is not None else None,
+        stalled_since=stalled,
+        wall_s=wall,
+        mean_prompts_per_s=_mean(done + failed, wall),
+        mean_tokens_out_per_s=_mean(tokens_out, wall),
     )
 
 
@@ -460,12 +582,17 @@ def _extraction(
     remaining = max(0, total - done - failed) if total is not None else None
     started = meta.extraction_started_at or meta.created_at
     cutoff = now - config.window_s
-    samples_per_s, tokens_per_s, in_window = _rates(completions, started, config, now)
-    tokens_left = _tokens_left(meta, remaining, _int(counts, "tokens") or 0, failed)
+    last_done = _float(counts, "last_done_at")
+    stalled, hold = _stalled_since(completions, last_done or started or now, config, now)
+    if remaining == 0 or meta.stage not in ACTIVE_STAGES:
+        stalled = None  # a finished extraction, or a run stopped or not yet extracting, is not stalled
+    samples_per_s, tokens_per_s, in_window = _rates(completions, started, config, now, hold)
+    tokens_done = _int(counts, "tokens") or 0
+    tokens_left = _tokens_left(meta, remaining, tokens_done, failed)
     parsed_errors = [json.loads(e) for e in errors]
     recent_errors = sum(1 for e in parsed_errors if e.get("ts", 0) >= cutoff and e.get("index", -1) >= 0)
     attempts = recent_errors + len(in_window)
-    last_done = _float(counts, "last_done_at")
+    wall = _wall(meta.extraction_started_at, meta.extraction_complete)
     return Extraction(
         total=total,
         done=done,
@@ -475,8 +602,9 @@ def _extraction(
         percent=100.0 * (done + failed) / total if total else (100.0 if total == 0 else None),
         samples_per_s=samples_per_s,
         tokens_per_s=tokens_per_s,
-        eta_s=tokens_left / tokens_per_s if tokens_left is not None and tokens_per_s > 0 else None,
+        eta_s=_eta(tokens_left, tokens_per_s, stalled),
         tokens_remaining=tokens_left,
+        stalled_since=stalled,
         error_rate=failed / (done + failed) if done + failed else None,
         recent_error_rate=recent_errors / attempts if attempts else None,
         recent_attempts=attempts,
@@ -487,7 +615,19 @@ def _extraction(
         last_done_at=last_done,
         seconds_since_last_done=now - last_done if last_done is not None else None,
         last_errors=[ErrorEntry(**e) for e in parsed_errors[: config.last_errors]],
+        wall_s=wall,
+        mean_samples_per_s=_mean(done + failed, wall),
+        mean_tokens_per_s=_mean(tokens_done, wall),
     )
+
+
+def _eta(tokens_left: int | None, tokens_per_s: float, stalled: float | None) -> float | None:
+    """Seconds to the end; none while unknown or stalled (a rate from before a stall would only be a guess)."""
+    if tokens_left == 0:
+        return 0.0
+    if tokens_left is None or tokens_per_s <= 0 or stalled is not None:
+        return None
+    return tokens_left / tokens_per_s
 
 
 def _tokens_left(meta: RunMeta, remaining: int | None, tokens_done: int, failed: int) -> int | None:
@@ -584,9 +724,7 @@ def _alerts(
     if extracting:
         usual = _usual_interval(completions)
         since = ex.last_done_at or ex.started_at or run.created_at or now
-        limit = (
-            max(config.stall_factor * usual, config.stall_min_s) if usual else config.stall_factor * config.stall_min_s
-        )
+        limit = _stall_limit(usual, config)
         if now - since > limit:
             hint = "" if ex.total is not None else (
                 f"; its ingest has not finished: if the process running `eaglet ingest` died, "

@@ -110,8 +110,10 @@ def seeded(redis):
          samples_per_s=2.5, tokens_per_s=1250.0)  # fmt: skip
     report_inference(redis, "http://inf:1", ok=True, host="h1", model="SmolLM2-135M-Instruct", hidden_size=576,
                      num_layers=30, aux_layer_ids=[2, 15, 27])  # fmt: skip
-    gone = WorkerBeat(worker="w-gone", state=WorkerState.busy, ts=1, run="demo-run", sample="s61")
+    gone = WorkerBeat(worker="w-gone", state=WorkerState.busy, ts=now - 60, run="demo-run", sample="s61")
     redis.hset(keys.WORKERS, "w-gone", gone.to_redis())
+    old = WorkerBeat(worker="w-old", state=WorkerState.busy, ts=now - 3600, run="demo-run", sample="s7")
+    redis.hset(keys.WORKERS, "w-old", old.to_redis())  # died an hour ago: counted, not listed
     return state
 
 
@@ -128,6 +130,7 @@ def test_page_shows_progress_rates_errors_workers_and_alerts(start_gateway, seed
     assert "48 done, 12 failed of 100" in text and "ETA" in text and "samples/s" in text
     assert "<b>dump of s58</b>: 3 tokens, expected 500" in text  # shown as text, not markup
     assert "lost (busy)" in text and "w-live" in text and "500.0 GB free of 1.0 TB" in text
+    assert "w-old" not in text and "lost: 1 more, silent for longer (not listed)" in text
     assert "1.25 / 0.02 / 0.31" in text  # where w-live's time goes: mostly waiting on the server
     # The servers table: the host, the model as the server named it, its shape and captured layers, its rate.
     assert "SmolLM2-135M-Instruct · hidden 576 · 30 layers · captures [2, 15, 27]" in text

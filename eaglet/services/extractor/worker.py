@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -125,7 +124,7 @@ def heartbeat_loop(
     # Others' heartbeats are judged only once Redis has answered for a while: right after an outage
     # every heartbeat is old, and the workers are not dead.
     redis_ok_since = time.monotonic()
-    host = settings.host_name or socket.gethostname()
+    host = settings.status_host
     model, model_at = {}, -MODEL_INFO_EVERY_S
     while not stop.is_set():
         try:
@@ -209,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = Settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name = args.name or f"{settings.host_name or socket.gethostname()}:{os.getpid()}"
+    name = args.name or f"{settings.status_host}:{os.getpid()}"
     instance = uuid.uuid4().hex[:12]  # this process; the name may be reused by the next one
     # RQ stores pickled bytes; run state is text. Two clients on the same server.
     rq_redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True)

@@ -3,13 +3,15 @@
     python -m eaglet.services.inference.release                      # the reference server
     python -m eaglet.services.inference.release -- python3 -m eaglet.services.inference.sglang_launch --model-path ...
 
-The server runs as a child process, in a process group of its own. With ``EAGLET_RELEASE_GPUS_WHEN_DONE``
-set, the supervisor watches the runs in Redis: once some run's extraction is complete and waits for the
-GPUs, and no run is being ingested or extracted any more, it stops the server, records on each waiting run the
-GPUs the server could use (``released_gpus``, see eaglet/shared/gpus.py) and sets the meta field
-``gpus_released`` (unix s), and exits 0. The trainer (``--wait-for-gpus``) starts
-then. Exit 0 is the signal to stay down: the container's restart policy is ``on-failure``. A server
-that dies by itself makes the supervisor exit non-zero, so the restart policy brings both back.
+The server runs as a child process, in a process group of its own. Every heartbeat interval the supervisor
+publishes its server's GPUs (utilization and memory, read through NVML: eaglet/shared/gpustats.py) in
+``keys.GPUS``, so ``/status`` shows whether they are busy; "unknown" where there is no NVML. With
+``EAGLET_RELEASE_GPUS_WHEN_DONE`` set, the supervisor watches the runs in Redis: once some run's extraction is
+complete and waits for the GPUs, and no run is being ingested or extracted any more, it stops the server, records
+on each waiting run the GPUs the server could use (``released_gpus``, see eaglet/shared/gpus.py) and sets the meta
+field ``gpus_released`` (unix s), and exits 0. The trainer (``--wait-for-gpus``) starts then. Exit 0 is the signal
+to stay down: the container's restart policy is ``on-failure``. A server that dies by itself makes the supervisor
+exit non-zero, so the restart policy brings both back.
 """
 
 import argparse
@@ -21,15 +23,16 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 from pydantic import Field
 from redis import Redis
 from redis.exceptions import RedisError
 
-from eaglet.shared import keys
+from eaglet.shared import gpustats, keys
 from eaglet.shared.config import Settings
 from eaglet.shared.gpus import visible_gpus
-from eaglet.shared.records import ACTIVE_STAGES
+from eaglet.shared.records import ACTIVE_STAGES, GpuRole
 from eaglet.shared.runstate import RunState, Stage
 
 log = logging.getLogger(__name__)
@@ -136,15 +139,27 @@ def main(argv: list[str] | None = None) -> int:
     command = command or [sys.executable, "-m", "eaglet.services.inference.main"]
     settings = ReleaseSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    redis = Redis.from_url(settings.redis_url, decode_responses=True) if settings.release_gpus_when_done else None
+    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    releasing = settings.release_gpus_when_done
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
-    gpus = visible_gpus(os.environ) if redis else []  # the server inherits this environment, and these GPUs
+    gpus = visible_gpus(os.environ) if releasing else []  # the server inherits this environment, and these GPUs
     proc = subprocess.Popen(command, start_new_session=True)
     log.info("server pid %d: %s (GPU release %s)", proc.pid, " ".join(command),
-             f"on, GPUs {','.join(gpus) or '(none)'}" if redis else "off")  # fmt: skip
-    return supervise(proc, redis, settings, stopping, gpus)
+             f"on, GPUs {','.join(gpus) or '(none)'}" if releasing else "off")  # fmt: skip
+    host, reader, beating = settings.status_host, gpustats.GpuReader(os.environ), threading.Event()
+    publish = partial(gpustats.publish, redis, reader, role=GpuRole.inference, host=host)
+    beat = threading.Thread(target=gpustats.beat_until, daemon=True, name="gpu-beat",
+                            args=(beating, settings.heartbeat_interval_s, publish, "GPU report"))  # fmt: skip
+    beat.start()
+    try:
+        return supervise(proc, redis if releasing else None, settings, stopping, gpus)
+    finally:
+        beating.set()
+        beat.join(10)  # no report written after it is removed
+        with contextlib.suppress(RedisError):  # the report ages out of the status by itself
+            gpustats.forget(redis, GpuRole.inference, host)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ a GPU before that; then each checks that the GPUs it would use are among those t
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -30,9 +31,10 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from eaglet.services.trainer.train import Dist, TrainConfig, init_distributed, train
+from eaglet.shared import gpustats
 from eaglet.shared.config import Settings
 from eaglet.shared.gpus import SETTING, GpuHandoffError, check_handoff, cuda_devices, visible_gpus
-from eaglet.shared.records import GPUS_RELEASED, TrainProgress
+from eaglet.shared.records import GPUS_RELEASED, GpuRole, TrainProgress
 from eaglet.shared.runstate import RunState, StageRefused
 from eaglet.shared.target import resolve_model_dir
 
@@ -148,15 +150,19 @@ def check_released_gpus(state: RunState, environ: Mapping[str, str]) -> None:
     check_handoff(visible[:local], released, where)
 
 
-def heartbeat(state: RunState, interval_s: float, stop: threading.Event) -> None:
+def heartbeat(state: RunState, interval_s: float, stop: threading.Event, host: str) -> None:
     """Beats in the run's train hash (``beat_at``) until stopped: a trainer that dies or hangs mid-run shows in
-    ``/status`` as the ``trainer_lost`` alert, not as a run training forever."""
-    while not stop.is_set():
-        try:
-            state.update_train(TrainProgress(beat_at=time.time(), host=socket.gethostname(), pid=os.getpid()))
-        except RedisError:
-            log.warning("run %s: trainer heartbeat failed (Redis unreachable)", state.run_id)
-        stop.wait(interval_s)
+    ``/status`` as the ``trainer_lost`` alert, not as a run training forever. Each beat also publishes the GPUs of
+    this host the trainer uses (NVML takes no GPU memory: reading it before the release is harmless)."""
+    reader = gpustats.GpuReader(os.environ)
+
+    def beat() -> None:
+        state.update_train(TrainProgress(beat_at=time.time(), host=socket.gethostname(), pid=os.getpid()))
+        gpustats.publish(state.redis, reader, role=GpuRole.trainer, host=host, run=state.run_id)
+
+    gpustats.beat_until(stop, interval_s, beat, f"run {state.run_id}: trainer heartbeat")
+    with contextlib.suppress(RedisError):  # the report ages out of the status by itself
+        gpustats.forget(state.redis, GpuRole.trainer, host)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     state = RunState(redis, args.run)
     stop_beat = threading.Event()
     if rank0:
-        beat = threading.Thread(target=heartbeat, args=(state, settings.heartbeat_interval_s, stop_beat), daemon=True,
-                                name="heartbeat")  # fmt: skip
+        beat = threading.Thread(target=heartbeat, daemon=True, name="heartbeat",
+                                args=(state, settings.heartbeat_interval_s, stop_beat,
+                                      settings.status_host))  # fmt: skip
         beat.start()
     try:
         wait_for_start(
@@ -218,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         stop_beat.set()
+        if rank0:
+            beat.join(10)  # its GPU report removed before the process ends
         if dist.is_initialized():
             dist.destroy_process_group()
 
