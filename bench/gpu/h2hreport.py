@@ -12,12 +12,13 @@ from pathlib import Path
 
 DRAFTERS = ("eaglet", "specforge")
 PHASES = ("h2h-data", "h2h-extract", "h2h-eaglet", "h2h-specforge", "h2h-score", "h2h-eval")
+ABLATED = "h2h-ablations"
 
 
 def load(out_dir: Path) -> dict:
-    """Each phase's results, {} for a phase that wrote none."""
+    """Each phase's results, {} for a phase that wrote none; the recipes compared (``h2h-ablations``) too."""
     results = {}
-    for phase in PHASES:
+    for phase in (*PHASES, ABLATED):
         p = out_dir / f"{phase}.json"
         try:
             results[phase] = json.loads(p.read_text()) if p.exists() else {}
@@ -123,6 +124,7 @@ def summarize(results: dict, repeats: list[dict] = ()) -> dict:
                for d in DRAFTERS}  # fmt: skip
     base = ev.get("baseline", {})
     return {
+        "recipes": recipes(results, rows),
         "rows": rows,
         "heldout": heldout,
         "target_alone_repeat": {
@@ -137,6 +139,31 @@ def summarize(results: dict, repeats: list[dict] = ()) -> dict:
         "eval_settings": {k: ev.get(k) for k in ("max_new_tokens", "concurrency", "server_flags")},
         "errors": {p: results[p]["error"] for p in PHASES if results.get(p, {}).get("error")} | eval_errors(ev),
     }
+
+
+def recipes(results: dict, rows: list[dict]) -> list[dict]:
+    """eaglet's default recipe and each one-change recipe: accept length per prompt set at the first chain (and
+    its ratio to SpecForge's), acceptance per position and held-out accuracy per position, steps and wall time."""
+    if not results.get(ABLATED):
+        return []
+    chain = rows[0]["chain"] if rows else None
+    sf = {r["prompt_set"]: r["specforge"]["accept_length"] for r in rows if r["chain"] == chain}
+    ev = results.get("h2h-eval", {}).get("eaglet", {}).get(chain, {})
+    eaglet = results.get("h2h-eaglet", {})
+    default = {"name": "default", "flags": "", "train": {"wall_s": eaglet.get("wall_s"), "probe": eaglet.get("probe")},
+               "score": results.get("h2h-score", {}).get("drafters", {}).get("eaglet"), "eval": ev}  # fmt: skip
+    out = []
+    for r in [default, *({"name": n, **rec} for n, rec in results[ABLATED].items())]:
+        e, t, final = r.get("eval") or {}, r.get("train") or {}, ((r.get("train") or {}).get("probe") or {})
+        row = {"name": r["name"], "flags": r.get("flags"), "wall_s": t.get("wall_s"), "error": t.get("error"),
+               "steps": number((final.get("final") or final.get("train_hash") or {}).get("step")),
+               "heldout_acc": (r.get("score") or {}).get("heldout_acc")}  # fmt: skip
+        for pset, theirs in sf.items():
+            al = (e.get(pset) or {}).get("accept_length")
+            row[pset] = {"accept_length": al, "ratio_to_specforge": ratio(al, theirs),
+                         "accept_rate_per_position": (e.get(pset) or {}).get("accept_rate_per_position")}  # fmt: skip
+        out.append(row)
+    return out
 
 
 def run_figures(ev: dict, chain: str, pset: str) -> dict:
@@ -204,6 +231,18 @@ def markdown(s: dict) -> str:
         lines += ["", f"The target alone, HumanEval decoded again at concurrency {rep['concurrency']} (first at "
                   f"{rep['first_concurrency']}): {agree(rep['same_text'])} outputs the same (median first difference "
                   f"at {fmt(rep['same_text'].get('first_difference_share_median'))} of the text)."]  # fmt: skip
+    if s["recipes"]:
+        sets = [k for k in s["recipes"][0] if isinstance(s["recipes"][0][k], dict)]
+        lines += ["", "eaglet's recipes, one change each from the default, same data and SGLang build (accept length "
+                  "at the first chain, its ratio to SpecForge's):", "",
+                  "| recipe | flags | " + "".join(f"{p} accept length (÷ SpecForge) | " for p in sets)
+                  + "held-out accuracy per position | steps | wall s |",
+                  "|---|---|" + "---|" * len(sets) + "---|---|---|"]  # fmt: skip
+        for r in s["recipes"]:
+            cells = "".join(f"{fmt(r[p]['accept_length'], 3)} ({fmt(r[p]['ratio_to_specforge'], 3)}) | " for p in sets)
+            note = f" ({' '.join(str(r['error']).split())[:80]})" if r.get("error") else ""
+            lines.append(f"| {r['name']}{note} | {r['flags'] or '—'} | {cells}{rates(r['heldout_acc'])} | "
+                         f"{fmt(r['steps'])} | {fmt(r['wall_s'], 1)} |")  # fmt: skip
     lines += ["", "Held-out accuracy per draft position (eaglet's scorer, the same held-out samples for both):", "",
               "| drafter | samples | tokens | accuracy per position | loss |", "|---|---|---|---|---|"]  # fmt: skip
     for d, h in s["heldout"].items():

@@ -53,6 +53,7 @@ EVAL_CONCURRENCY = int(os.environ.get("H2H_EVAL_CONCURRENCY", "64"))
 CHAINS = tuple(tuple(int(x) for x in c.split(",")) for c in os.environ.get("H2H_CHAINS", "3,1,4").split(";"))
 # the target alone decoded a second time at another concurrency: how often greedy text changes with the batch alone
 REPEAT_CONCURRENCY = int(os.environ.get("H2H_REPEAT_CONCURRENCY", "16"))
+EVAL_DRAFTERS = os.environ.get("H2H_EVAL_DRAFTERS", "eaglet,specforge").split(",")
 TOKENS_PER_BATCH, TRAINER_HELDOUT = 2048, 0.05  # eaglet's TrainConfig defaults, which the run keeps
 
 H2H = P.ROOT / "h2h"
@@ -297,10 +298,12 @@ def training_rows() -> list[tuple[int, str, int]]:
     return training_split(rows, TRAINER_HELDOUT)
 
 
-def run_trainer(phase: str, name: str, argv: list[str], pythonpath: str, env: dict, timeout: float) -> dict:
+def run_trainer(
+    phase: str, name: str, argv: list[str], pythonpath: str, env: dict, timeout: float, probe_dir: Path = P.OUT
+) -> dict:
     R = P.RESULTS.setdefault(phase, {})
     R["cmd"] = " ".join(argv[1:])
-    probe = P.OUT / f"{phase}-probe.json"
+    probe = probe_dir / f"{phase}-probe.json"
     timeout = min(timeout, time_left())
     t = time.time()
     with GpuMemory() as mem:
@@ -529,7 +532,7 @@ def phase_eval() -> None:
     R.update(chains=[str(c) for c in CHAINS], prompt_sets=list(prompts), max_new_tokens=EVAL_TOKENS,
              concurrency=EVAL_CONCURRENCY, repeat_concurrency=REPEAT_CONCURRENCY,
              server_flags=" ".join(EVAL_EXTRA + P.SGL_BASE))  # fmt: skip
-    drafters = drafter_dirs()
+    drafters = {d: p for d, p in drafter_dirs().items() if d in EVAL_DRAFTERS}
     runs = [("baseline", None, None)] + [(d, drafters[d], c) for d in drafters for c in CHAINS]
     base_texts = {}
     for name, ddir, chain in runs:
@@ -548,8 +551,118 @@ def phase_eval() -> None:
     R["done"] = not h2hreport.eval_errors(R)
 
 
+def ablations() -> dict[str, str]:
+    """H2H_ABLATIONS: ``name=trainer flags`` separated by ``;`` (``fp8``: the default recipe on the conversations
+    extracted again with fp8 storage). Each is one change from eaglet's default recipe."""
+    spec = os.environ.get("H2H_ABLATIONS", "noise=--aux-noise 0.05;normfc=--norm-before-fc;lr3e-4=--lr 3e-4;fp8=")
+    return {n.strip(): f.strip() for n, _, f in (item.partition("=") for item in spec.split(";") if item.strip())}
+
+
+ABLATED = "h2h-ablations"  # one record for every recipe, kept apart from the phases' own (never reset)
+
+
+def phase_extract_fp8() -> None:
+    """The same conversations extracted again, stored fp8 (encoded by the plugin on the GPU): the cost of fp8
+    storage in acceptance, measured by the `fp8` recipe."""
+    if done("h2h-extract-fp8"):
+        return
+    ensure_model()
+    plugin_server()
+    R = P.RESULTS.setdefault("h2h-extract-fp8", {})
+    R["run_id"] = f"h2h-fp8-{int(time.time())}"
+    R.update(P.pipeline(R["run_id"], SMOL, H2H / "train.jsonl", P.SGL_PORT, WORKERS, 2048,
+                        timeout=time_left(40), store="fp8"))  # fmt: skip
+    P.stop(SERVER)
+    R["done"] = bool(R.get("complete"))
+
+
+def phase_ablate_train() -> None:
+    """Each recipe not trained yet, while the call's time lasts: eaglet's trainer, the default recipe with one
+    change, on the same stored run (its own folder; the run's drafter untouched)."""
+    A = P.RESULTS.setdefault(ABLATED, {})
+    for name, flags in ablations().items():
+        rec = A.setdefault(name, {"flags": flags or "(default recipe, fp8 store)"})
+        if rec.get("train", {}).get("rc") == 0:
+            continue
+        fp8 = name == "fp8"
+        run_id = P.RESULTS["h2h-extract-fp8" if fp8 else "h2h-extract"].get("run_id")
+        if fp8 and not P.RESULTS.get("h2h-extract-fp8", {}).get("done"):
+            rec["train"] = {"error": "no fp8 extraction (phase h2h-extract-fp8)"}
+            continue
+        estimate = estimate_eaglet() * (2 if "tokens-per-batch" in flags else 1)
+        if time_left() < estimate:
+            rec["train"] = {"error": f"not run: {estimate:.0f}s needed, {time_left():.0f}s left in this call"}
+            continue
+        out = H2H / "recipes" / name
+        argv = [sys.executable, "bench/gpu/ablate.py", "--run", run_id, "--out", str(out), "--model", str(SMOL),
+                "--epochs", str(EPOCHS), "--checkpoint-every", "1000000", *flags.split()]  # fmt: skip
+        rec["train"] = dict(run_trainer(f"h2h-recipe-{name}", f"h2h-recipe-{name}", argv, P.PY_EAGLET,
+                                        P.eaglet_env(SMOL, P.SGL_PORT), TRAIN_TIMEOUT, H2H))  # fmt: skip
+        P.RESULTS.pop(f"h2h-recipe-{name}", None)
+        rec["drafter_dir"] = str(out / "drafter")
+        P.save(ABLATED)
+    P.RESULTS.setdefault("h2h-ablate-train", {})["done"] = all(
+        A.get(n, {}).get("train", {}).get("rc") == 0 for n in ablations()
+    )
+
+
+def phase_ablate_eval() -> None:
+    """Each trained recipe not evaluated yet: eaglet's scorer on the held-out samples, then SGLang at the first
+    chain on both prompt sets (accept length is the same from call to call: h2h-eval measured it twice)."""
+    A = P.RESULTS.setdefault(ABLATED, {})
+    prompts = eval_prompts(tokenizer())
+    for name, rec in A.items():
+        ddir = rec.get("drafter_dir")
+        if rec.get("eval") and not any("error" in r for r in rec["eval"].values()):
+            continue
+        if not (ddir and Path(ddir, "config.json").exists()):
+            continue
+        if time_left() < 120:
+            break
+        out = H2H / f"h2h-recipe-{name}-score.json"
+        argv = [sys.executable, "-m", "eaglet.services.trainer.score", "--run", P.RESULTS["h2h-extract"]["run_id"],
+                "--model", str(SMOL), "--out", str(out), "--drafter", f"{name}={ddir}"]  # fmt: skip
+        P.start("h2h-recipe-score", argv, P.PY_EAGLET, P.eaglet_env(SMOL, P.SGL_PORT))
+        P.PROCS["h2h-recipe-score"].wait(timeout=max(30, time_left()))
+        P.stop("h2h-recipe-score")
+        rec["score"] = json.loads(out.read_text()).get(name) if out.exists() else {"error": "no score"}
+        rec["eval"] = evaluate(f"recipe {name}", ddir, CHAINS[0], prompts, {})
+        P.save(ABLATED)
+    P.RESULTS.setdefault("h2h-ablate-eval", {})["done"] = bool(A) and all(
+        r.get("eval") and not any("error" in x for x in r["eval"].values()) for r in A.values()
+    )
+
+
+def phase_gate() -> None:
+    """The release gate: eaglet's default recipe as this call's h2h-eval measured it, per position, against the
+    committed SpecForge figures (bench/results/gpu-headtohead.json): ratio >= 1.05 on every prompt set passes."""
+    R = P.RESULTS.setdefault("h2h-gate", {})
+    committed = json.loads((P.REPO / "bench" / "results" / "gpu-headtohead.json").read_text())
+    ev = P.RESULTS.get("h2h-eval", {})
+    chain = str(CHAINS[0])
+    rows = []
+    for row in committed["rows"]:
+        if row["chain"] != chain:
+            continue
+        mine = ev.get("eaglet", {}).get(chain, {}).get(row["prompt_set"], {})
+        theirs = row["specforge"]["accept_length"]
+        rows.append({"prompt_set": row["prompt_set"], "accept_length": mine.get("accept_length"),
+                     "accept_rate_per_position": mine.get("accept_rate_per_position"),
+                     "specforge_accept_length": theirs,
+                     "ratio": h2hreport.ratio(mine.get("accept_length"), theirs)})  # fmt: skip
+    R["rows"] = rows
+    R["passed"] = bool(rows) and all((r["ratio"] or 0) >= 1.05 for r in rows)
+    for r in rows:
+        P.log(
+            f"gate {r['prompt_set']}: accept length {r['accept_length']}, per position "
+            f"{r['accept_rate_per_position']}; SpecForge {r['specforge_accept_length']}; ratio {r['ratio']}"
+        )
+    P.log(f"gate: {'passed' if R['passed'] else 'NOT passed'} (>= 1.05 on every prompt set)")
+    R["done"] = True
+
+
 def phase_report() -> None:
-    for phase in h2hreport.PHASES:
+    for phase in (*h2hreport.PHASES, ABLATED):
         P.save(phase)
     h2hreport.write(P.OUT, P.OUT)
 
@@ -561,6 +674,10 @@ PHASES = {
     "h2h-specforge": phase_specforge,
     "h2h-score": phase_score,
     "h2h-eval": phase_eval,
+    "h2h-extract-fp8": phase_extract_fp8,
+    "h2h-ablate-train": phase_ablate_train,
+    "h2h-ablate-eval": phase_ablate_eval,
+    "h2h-gate": phase_gate,
     "h2h-report": phase_report,
 }
 ESTIMATE_S = {
@@ -571,6 +688,10 @@ ESTIMATE_S = {
     "h2h-specforge": estimate_specforge,
     "h2h-score": 60,
     "h2h-eval": 450,  # three server starts of ~55 s, five prompt-set decodes of ~45 s, the repeat
+    "h2h-extract-fp8": lambda: 70 + N_CONV * 0.01,
+    "h2h-ablate-train": estimate_eaglet,  # at least one recipe; the phase takes as many as the call has time for
+    "h2h-ablate-eval": 130,
+    "h2h-gate": 1,
     "h2h-report": 5,
 }
 

@@ -74,8 +74,8 @@ if __name__ == "__main__":
     if state.exists():
         P.RESULTS.update(json.loads(state.read_text()))
     prepare()
-    if not P.RESULTS.get("h2h-data", {}).get("done") or (
-        "h2h-extract" in sys.argv and not P.RESULTS.get("h2h-extract", {}).get("done")
+    if not P.RESULTS.get("h2h-data", {}).get("done") or any(
+        phase in sys.argv and not P.RESULTS.get(phase, {}).get("done") for phase in ("h2h-extract", "h2h-extract-fp8")
     ):
         reference_server()
     if not P.RESULTS.get("h2h-data", {}).get("done"):

@@ -61,7 +61,7 @@ REDIS = RedisServer(
     log=LOGS / "redis.log",
 )
 REDIS_URL = REDIS.url
-SGL_PORT, REF_PORT = 30000, 30001
+SGL_PORT, REF_PORT = int(os.environ.get("GPUBENCH_SGL_PORT", "30000")), 30001
 PY_EAGLET = f"{REPO}:{S}/esite:{S}/site"
 PY_SGL_PLAIN = f"{S}/site"
 PY_SGL_PLUGIN = f"{REPO}:{S}/plugin_site:{S}/esite:{S}/site"

@@ -177,3 +177,24 @@ def test_report_shows_each_evaluation_call_side_by_side(tmp_path):
     assert [r["eaglet tok/s"] for r in s["rows"][0]["runs"]] == [1500.0, 1300.0]
     md = (tmp_path / "results" / "gpu-headtohead.md").read_text()
     assert "| (3, 1, 4) | humaneval | 2 | 1,000 | 2.100 | 1,300 | 2.000 | 1,400 |" in md
+
+
+def test_report_lists_each_recipe_beside_the_default_with_its_ratio_to_specforge(tmp_path):
+    _write_phases(tmp_path)
+    recipe = {"flags": "--aux-noise 0.05", "train": {"wall_s": 180.0, "probe": {"final": {"step": "1666"}}},
+              "score": {"heldout_acc": [0.41, 0.35]},
+              "eval": {"humaneval": {"accept_length": 2.2, "accept_rate_per_position": [0.5, 0.2]}}}  # fmt: skip
+    (tmp_path / "h2h-ablations.json").write_text(json.dumps({"noise": recipe, "lr": {"train": {"error": "boom"}}}))
+    s = h2hreport.write(tmp_path, tmp_path / "results")
+    names = [r["name"] for r in s["recipes"]]
+    assert names == ["default", "noise", "lr"]
+    noise = s["recipes"][1]
+    assert noise["humaneval"] == {
+        "accept_length": 2.2,
+        "ratio_to_specforge": 1.1,
+        "accept_rate_per_position": [0.5, 0.2],
+    }
+    assert s["recipes"][0]["humaneval"]["ratio_to_specforge"] == 1.05 and noise["steps"] == 1666
+    md = (tmp_path / "results" / "gpu-headtohead.md").read_text()
+    assert "| noise | --aux-noise 0.05 | 2.200 (1.100) | 0.41 / 0.35 | 1,666 | 180.0 |" in md
+    assert "| lr (boom) |" in md

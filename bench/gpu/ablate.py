@@ -1,0 +1,52 @@
+"""One recipe of eaglet's trainer on a stored run, trained into a folder of its own (``train(out_dir=...)``): the
+run's own drafter and records stay as they are. Wall time, tokens/s and torch's peak GPU memory written down.
+
+    python bench/gpu/ablate.py --run RUN --out DIR [trainer flags...]      (PROBE_OUT: where the JSON goes)
+
+The trainer flags are the trainer's own (``eaglet train --help``); the target is the run's model (``--model``).
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from eaglet.services.trainer.main import add_config_flags, config_from_args
+from eaglet.services.trainer.train import TrainConfig, init_distributed, train
+from eaglet.shared.config import Settings
+from eaglet.shared.target import resolve_model_dir
+
+
+def run() -> int:
+    p = argparse.ArgumentParser(prog="ablate.py", description="One trainer recipe on a stored run.")
+    p.add_argument("--run", required=True)
+    p.add_argument("--out", required=True, help="the recipe's folder: checkpoints, curves, drafter")
+    p.add_argument("--model", help="target model directory (default: EAGLET_MODEL)")
+    add_config_flags(p, TrainConfig)
+    args = p.parse_args()
+    cfg = config_from_args(TrainConfig, args)
+    settings = Settings()
+    target = resolve_model_dir(args.model or settings.model, settings.model_cache_dir)
+    t = time.time()
+    final = train(redis=None, run_id=args.run, data_dir=settings.data_dir, target_dir=target, cfg=cfg,
+                  env=init_distributed(), out_dir=args.out)  # fmt: skip
+    wall = time.time() - t
+    cuda = torch.cuda.is_available()
+    out = {
+        "wall_s": round(wall, 1),
+        "config": {k: v for k, v in vars(args).items() if k not in ("run", "out", "model")},
+        "final": final,
+        "drafter_dir": os.path.join(args.out, "drafter"),
+        "peak_allocated_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+    }
+    if os.environ.get("PROBE_OUT"):
+        with open(os.environ["PROBE_OUT"], "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    print(json.dumps(out, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run())
