@@ -34,7 +34,7 @@ from eaglet.shared.records import (
     WorkerRole,
 )
 from eaglet.shared.runstate import RECENT_CAP
-from eaglet.shared.statustext import describe
+from eaglet.shared.statustext import describe, duration
 
 RATE_SAMPLES = 256
 """Newest completions read for the rates: when all of them lie inside the window, the window shrinks to the
@@ -58,8 +58,9 @@ class StatusConfig:
     """A worker, server or GPU report silent for this long past ``lost_after_s`` leaves the tables (a dead worker is
     then only counted, in ``workers_gone``): what died minutes ago is the run's history, not its present."""
     eta_hold_min_s: float = 15.0
-    """The ETA is withheld while no completion came for ``stall_factor`` times the usual interval, and never
-    sooner than this: a batching server finishes many samples at once, then none for a few seconds."""
+    """The ETA is withheld (the run is stalled) while no completion came for ``stall_factor`` times the usual
+    interval, and never sooner than this or ``stall_min_s``: a batching server finishes many samples at once, then
+    none for a few seconds. The stalled alert waits for ``stall_min_s``."""
     error_rate_threshold: float = 0.05
     """Alert when the share of failed attempts goes above this."""
     error_rate_min_attempts: int = 10
@@ -510,8 +511,8 @@ def _stalled_since(
 ) -> tuple[float | None, float]:
     """When the stage stalled (``since``: its newest completion, or its start) if nothing completed for longer
     than the usual interval allows, else None; and that allowance, the gap that cuts the rates."""
-    usual = _usual_interval(completions)
-    hold = max(config.stall_factor * usual, config.eta_hold_min_s) if usual else _stall_limit(None, config)
+    usual, floor = _usual_interval(completions), min(config.stall_min_s, config.eta_hold_min_s)
+    hold = max(config.stall_factor * usual, floor) if usual else _stall_limit(None, config)  # never past the alert's
     return (since if now - since > hold else None), hold
 
 
@@ -720,7 +721,7 @@ def _alerts(
         limit = _stall_limit(usual, config)
         if now - since > limit:
             alerts.append(Alert(kind="stalled", message=(
-                f"no prompt regenerated for {now - since:.1f} s (limit {limit:.1f} s)")))  # fmt: skip
+                f"no prompt regenerated for {duration(now - since)} (limit {duration(limit)})")))  # fmt: skip
     if extracting:
         usual = _usual_interval(completions)
         since = ex.last_done_at or ex.started_at or run.created_at or now
@@ -730,7 +731,7 @@ def _alerts(
                 f"; its ingest has not finished: if the process running `eaglet ingest` died, "
                 f"`eaglet ingest --run {run.run_id} --resume` takes it up where it last flushed")  # fmt: skip
             alerts.append(Alert(kind="stalled", message=(
-                f"no sample completed for {now - since:.1f} s (limit {limit:.1f} s){hint}")))  # fmt: skip
+                f"no sample completed for {duration(now - since)} (limit {duration(limit)}){hint}")))  # fmt: skip
     if run.stage in ACTIVE_STAGES:
         lost = [w.name for w in cluster.workers if w.lost and w.run in ("", run.run_id)]
         if lost:

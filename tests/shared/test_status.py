@@ -1,5 +1,9 @@
 """The status figures, read from what the writers keep, at a fixed ``now``."""
 
+import time
+
+import pytest
+
 from eaglet.shared.heartbeats import beat, report_inference
 from eaglet.shared.records import TrainProgress, WorkerRole, WorkerState
 from eaglet.shared.runstate import RunState, Stage
@@ -88,3 +92,33 @@ def test_status_pages_newest_first(redis):
         extracting_run(redis, f"run{n}")
     report = read_status(redis, config=CONFIG, offset=1, limit=1)
     assert report.runs_total == 3 and [r.run_id for r in report.runs] == ["run1"]
+
+
+def test_the_eta_is_withheld_while_nothing_completes_and_measured_again_after(redis):
+    config = StatusConfig(lost_after_s=10.0, stall_min_s=60, eta_hold_min_s=0.5)
+    state = extracting_run(redis, total=100)
+    for i in range(20):
+        state.mark_done(i, 10, 400)
+    run = read_run(redis, "r1", config=config).run
+    assert run.extraction.eta_s is not None and run.verdict == "running"
+    time.sleep(1.0)  # no sample for longer than the usual interval allows (its floor here: 0.5 s)
+    run = read_run(redis, "r1", config=config).run
+    ex = run.extraction
+    assert ex.eta_s is None and ex.stalled_since == ex.last_done_at
+    assert run.verdict.startswith("stalled for 1.") and "nothing finished since" in run.verdict
+    assert "ETA withheld (stalled)" in run.brief and "ETA withheld (stalled)" in run.lines["extraction"]
+    assert "stalled" not in {a.kind for a in run.alerts}  # the alert waits for stall_min_s
+    later = read_run(redis, "r1", config=config, now=ex.last_done_at + 61).run
+    assert [a.message for a in later.alerts if a.kind == "stalled"] == [
+        "no sample completed for 1 min 1 s (limit 1 min 0 s)"
+    ]
+    for i in range(20, 31):
+        state.mark_done(i, 10, 400)
+        time.sleep(0.01)
+    report = read_run(redis, "r1", config=config)
+    ex = report.run.extraction
+    assert ex.stalled_since is None and ex.eta_s is not None
+    # The rate is measured since the stall ended: the 10 samples after the first one past the gap, over the time
+    # since that one, not the 31 over a span that holds the gap.
+    first_after = float(redis.lindex(state.keys.recent, 10).split()[0])
+    assert ex.samples_per_s == pytest.approx(10 / (report.generated_at - first_after))
