@@ -360,13 +360,15 @@ class Drafter(nn.Module):
         return self.lm_head(self.norm(out))
 
     def forward_ttt(
-        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, attn_impl: str = "math"
+        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, attn_impl: str = "math", checkpoint: bool = False
     ) -> list[torch.Tensor]:
         """Training-time test: ``steps`` unrolled passes on the drafter's own outputs.
 
         input_ids: [B, T] target ids; aux: [B, T, 3H]. Step i at position t reads token ``input_ids[t + 1 + i]``
         (shifted in here, zero past the end) and predicts token t + 2 + i. Returns each step's pre-norm
-        output [B, T, H]; the caller applies ``logits`` only where the loss needs them.
+        output [B, T, H]; the caller applies ``logits`` only where the loss needs them. ``checkpoint``: each step's
+        activations are recomputed in the backward pass instead of kept (its output, keys and values are kept):
+        a third more compute for long samples' memory.
         """
         B, T = input_ids.shape
         attention = ttt_attention_flex if attn_impl == "flex" else ttt_attention_math
@@ -374,18 +376,30 @@ class Drafter(nn.Module):
         hidden = self.fuse(aux)
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-
-        def attend(q, k, v):
-            ks.append(k)
-            vs.append(v)
-            return attention(q, ks, vs)
-
         outs = []
         for i in range(steps):
             ids = F.pad(input_ids[:, 1 + i :], (0, 1 + i))  # [B, T]
-            hidden = self.step(ids, hidden, base + i, attend)
+            args = (ids, hidden, base + i, tuple(ks), tuple(vs), attention)
+            if checkpoint:
+                hidden, k, v = torch.utils.checkpoint.checkpoint(self.ttt_step, *args, use_reentrant=False)
+            else:
+                hidden, k, v = self.ttt_step(*args)
+            ks.append(k)
+            vs.append(v)
             outs.append(hidden)
         return outs
+
+    def ttt_step(self, ids, hidden, positions, ks: tuple, vs: tuple, attention) -> tuple[torch.Tensor, ...]:
+        """One unrolled step over the earlier steps' keys and values: (output, its keys, its values). A function
+        of its inputs alone, so a checkpointed step recomputes exactly what it computed."""
+        kv = []
+
+        def attend(q, k, v):
+            kv[:] = [k, v]
+            return attention(q, [*ks, k], [*vs, v])
+
+        out = self.step(ids, hidden, positions, attend)
+        return out, kv[0], kv[1]
 
     def decode(self, token_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
         """Incremental pass for speculative decoding (batch 1): token_ids [1, n] at positions start..start+n-1,

@@ -111,6 +111,13 @@ class TrainConfig:
     norm_before_fc: bool = False
     """An RMSNorm over the concatenated auxiliary states before fc (written to config.json as ``norm_before_fc``,
     which SGLang and vLLM load)."""
+    loss_chunk: int = 8192
+    """Positions per chunk of the loss. A batch with more computes the target's distribution, the top-token check
+    and the loss chunk by chunk, recomputing each chunk's logits in the backward pass instead of keeping
+    positions x vocabulary tensors (one more LM-head forward); 0: never chunked."""
+    checkpoint_steps: bool = False
+    """Recompute each unrolled step's activations in the backward pass instead of keeping them (about a third more
+    compute): for samples too long for memory otherwise."""
     aux_noise: float = 0.0
     """Uniform noise in [-a, a] added to the auxiliary states while training (never to held-out figures): the
     drafter meets the engine's states, computed in other batches, not the stored ones. speculators uses 0.05."""
@@ -136,6 +143,8 @@ class TrainConfig:
         for name in ("draft_head_dim", "draft_kv_heads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be 0 (the rule) or more, got {getattr(self, name)}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"TrainConfig.loss_chunk must be 0 (never chunked) or more, got {self.loss_chunk}")
         if self.aux_noise < 0:
             raise ValueError(f"TrainConfig.aux_noise must be 0 (off) or more, got {self.aux_noise}")
         if self.loader_workers < 0:
@@ -189,45 +198,70 @@ class TTTObjective(nn.Module):
         self.draft_ids.copy_(draft_ids)
         self.drafter.set_vocab(draft_ids)
 
+    def spans(self, n: int) -> list[tuple[int, int]]:
+        """[lo, hi) chunks of ``n`` positions, ``cfg.loss_chunk`` at most each (one chunk when 0)."""
+        size = self.cfg.loss_chunk or n
+        return [(lo, min(lo + size, n)) for lo in range(0, n, size)] or [(0, 0)]
+
     @torch.no_grad()
-    def targets(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, T, H] (target's final normed states) -> (log-probs over the draft vocab [B, T, Vd] float32,
-        positions usable [B, T]: the target's top token is in the draft vocabulary)."""
-        logits = (hidden @ self.target_head[self.draft_ids].T.to(hidden.dtype)).float()
-        usable = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
-        if self.oov:
-            top = torch.cat([(h @ self.target_head.T.to(h.dtype)).argmax(-1) for h in hidden.split(1)])  # [B, T]
-            usable = self.drafter.t2d[top]
-        return torch.log_softmax(logits, -1), usable
+    def usable(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, H] (target's final normed states) -> positions whose target top token (over the whole
+        vocabulary) is in the draft vocabulary [B, T]; all when the OOV mask is off. By chunks of positions: the
+        full-vocabulary logits of a long sample would be T x V."""
+        if not self.oov:
+            return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        head = self.target_head.T.to(hidden.dtype)
+        top = torch.cat([(hidden[:, lo:hi] @ head).argmax(-1) for lo, hi in self.spans(hidden.shape[1])], 1)
+        return self.drafter.t2d[top]
+
+    def chunk_terms(self, lo: int, hi: int, head: torch.Tensor, hidden: torch.Tensor, outs: tuple, masks: tuple):
+        """Per step, the summed forward KL(target || drafter) and the number of right top tokens over the target
+        positions [lo, hi): the target's log-probs over the draft vocabulary are formed here, once for every step
+        that predicts from them (step i at drafter position t predicts from target position t + 1 + i)."""
+        with torch.no_grad():
+            tlogp = torch.log_softmax((hidden[:, lo:hi] @ head).float(), -1)  # [B, hi - lo, Vd]
+        kls, hits = [], []
+        for i, (out, m) in enumerate(zip(outs, masks, strict=True)):
+            t0, t1 = max(lo - 1 - i, 0), min(hi - 1 - i, m.shape[1])
+            mm = m[:, t0 : max(t0, t1)]
+            lp = tlogp[:, t0 + 1 + i - lo : t0 + 1 + i - lo + mm.shape[1]][mm]  # [N, Vd]
+            logq = torch.log_softmax(self.drafter.logits(out[:, t0 : t0 + mm.shape[1]][mm]).float(), -1)
+            kls.append((lp.exp() * (lp - logq)).sum())
+            hits.append((logq.argmax(-1) == lp.argmax(-1)).sum().float().detach())
+        return torch.stack(kls), torch.stack(hits)
 
     def forward(self, input_ids, loss_mask, hidden_states, aux_hidden_states):
         """(weighted loss, per-step losses [ttt_steps], per-step accuracies [ttt_steps]) as this process's share of
         the global batch while training across processes: summed over the processes they are what one process
         would compute on the whole batch. Otherwise (one process, evaluation) the figures of this batch alone."""
         T = input_ids.shape[1]
-        tlogp, usable = self.targets(hidden_states)
+        usable = self.usable(hidden_states)
         if self.training and self.cfg.aux_noise > 0:
             aux_hidden_states = aux_hidden_states + torch.empty_like(aux_hidden_states).uniform_(
                 -self.cfg.aux_noise, self.cfg.aux_noise
             )
-        outs = self.drafter.forward_ttt(input_ids, aux_hidden_states, self.cfg.ttt_steps, self.attention)
+        outs = self.drafter.forward_ttt(input_ids, aux_hidden_states, self.cfg.ttt_steps, self.attention,
+                                        checkpoint=self.cfg.checkpoint_steps and self.training)  # fmt: skip
         # step i at position t predicts token t + 2 + i from the target's logits at t + 1 + i; a step past the
         # batch's length has no position here (but may elsewhere: every process counts every step)
-        masks = [loss_mask[:, 2 + i :] & usable[:, 1 + i : T - 1] for i in range(len(outs))]  # [B, max(T-2-i, 0)]
+        masks = tuple(loss_mask[:, 2 + i :] & usable[:, 1 + i : T - 1] for i in range(len(outs)))  # [B, T-2-i]
         # accuracy is over every loss position, the unusable ones counting as misses: comparable across vocabularies
         positions = [loss_mask[:, 2 + i :].sum() for i in range(len(outs))]
         counts, positions = self.global_counts(torch.stack([m.sum() for m in masks] + positions)).split(len(outs))
-        total = torch.zeros((), device=input_ids.device)
-        losses, accs = [], []
-        for i, (out, m) in enumerate(zip(outs, masks, strict=True)):
-            lp = tlogp[:, 1 + i : T - 1][m]  # [N, Vd]
-            logq = torch.log_softmax(self.drafter.logits(out[:, : m.shape[1]][m]).float(), -1)  # only where needed
-            kl = (lp.exp() * (lp - logq)).sum(-1)  # forward KL(target || drafter) [N]
-            loss_i = kl.sum() / counts[i]
-            total = total + self.cfg.step_weight**i * loss_i
-            losses.append(loss_i.detach())
-            accs.append((logq.argmax(-1) == lp.argmax(-1)).float().sum().detach() / positions[i])
-        return total, torch.stack(losses), torch.stack(accs)
+        head = self.target_head[self.draft_ids].T.to(hidden_states.dtype)  # [H, Vd]
+        spans = self.spans(T)
+        kl = torch.zeros(len(outs), device=input_ids.device)
+        hits = torch.zeros(len(outs), device=input_ids.device)
+        for lo, hi in spans:
+            args = (lo, hi, head, hidden_states, tuple(outs), masks)
+            if len(spans) > 1 and torch.is_grad_enabled():  # keep a chunk's inputs only; its logits are recomputed
+                k, h = torch.utils.checkpoint.checkpoint(self.chunk_terms, *args, use_reentrant=False)
+            else:
+                k, h = self.chunk_terms(*args)
+            kl, hits = kl + k, hits + h
+        losses = kl / counts
+        weights = self.cfg.step_weight ** torch.arange(len(outs), device=input_ids.device, dtype=losses.dtype)
+        return (weights * losses).sum(), losses.detach(), hits / positions
 
     def global_counts(self, local: torch.Tensor) -> torch.Tensor:
         """Position counts (per step): over every process's batch while training across processes, so the loss is
