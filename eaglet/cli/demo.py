@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         redis = Redis.from_url(settings.redis_url, decode_responses=True)
         console.print(f"[bold]eaglet demo[/] run [cyan]{run_id}[/]: starting the inference server on {settings.model}")
         stack.start("gateway", "eaglet.services.gateway.main", "--port", str(args.gateway_port))
-        stack.start("inference", "eaglet.services.inference.main", "--port", str(args.port))
+        # Under the inference service's supervisor, as in the compose stack: it reports the server's GPUs.
+        server = [sys.executable, "-m", "eaglet.services.inference.main", "--port", str(args.port)]
+        stack.start("inference", "eaglet.services.inference.release", "--", *server)
         stack.wait_http("inference", f"{settings.inference_url}/health", timeout=300)
         stack.wait_http("gateway", f"http://127.0.0.1:{args.gateway_port}/status", timeout=60)
         console.print(f"live status: http://127.0.0.1:{args.gateway_port}/  (JSON: /status, Prometheus: /metrics)")

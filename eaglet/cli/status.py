@@ -105,7 +105,7 @@ def render_gpus(cluster: Cluster) -> Table:
         who = f"{h.role} {h.run}".strip()
         age = f"{words.duration(h.seconds_since_report)} ago"
         if h.gpus is None:
-            table.add_row(h.host, who, h.detail, "", "", age)
+            table.add_row(h.host, who, f"unknown: {h.detail}", "", "", age)
         for g in h.gpus or []:
             memory = f"{words.size(g.memory_used)} / {words.size(g.memory_total)}"
             table.add_row(h.host, who, f"{g.index} {g.name}", words.percent(g.utilization), memory, age)

@@ -37,7 +37,7 @@ class GpuReader:
         self._unknown = ""
 
     def read(self) -> tuple[list[GpuStat] | None, str]:
-        """The GPUs now, or None and why they cannot be read."""
+        """The GPUs now, or None and why they cannot be read (a few words, then the driver's own in brackets)."""
         if self._handles is None and not self._unknown:
             self._open()
         if self._unknown:
@@ -45,11 +45,11 @@ class GpuReader:
         try:
             return [self._stat(h) for h in self._handles], ""
         except pynvml.NVMLError as e:  # a GPU fell off the bus, the driver was unloaded: say so, try next time
-            return None, f"NVML: {e}"
+            return None, f"NVML failed ({e})"
 
     def _open(self) -> None:
         if pynvml is None:
-            self._unknown = "unknown: nvidia-ml-py is not installed"
+            self._unknown = "nvidia-ml-py is not installed"
             return
         try:
             pynvml.nvmlInit()
@@ -58,7 +58,7 @@ class GpuReader:
             else:
                 self._handles = [_handle(g) for g in self.wanted]
         except pynvml.NVMLError as e:
-            self._unknown = f"unknown: no NVML here ({e})"
+            self._unknown = f"no NVML here ({e})"
 
     @staticmethod
     def _stat(handle) -> GpuStat:

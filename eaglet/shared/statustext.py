@@ -303,11 +303,11 @@ def _gpus(run: RunStatus, cluster: Cluster) -> str:
 
 def gpu_summary(hosts: list[GpuHostStatus]) -> str:
     """``GPUs 8 × 97 % busy, 1.0 / 1.1 TB``: the mean utilization and the memory of the GPUs the hosts read;
-    ``GPUs unknown`` (and why) where none could be read."""
+    ``GPUs unknown (no NVML here)`` where none could be read."""
     gpus = [g for h in hosts if h.gpus is not None for g in h.gpus]
     if not gpus:
-        reasons = sorted({h.detail for h in hosts if h.gpus is None})
-        return "GPUs: none in use" if not reasons else f"GPUs {'; '.join(reasons)}"
+        reasons = sorted({h.detail.split(" (")[0] for h in hosts if h.gpus is None})  # the words, not the driver's
+        return "GPUs: none in use" if not reasons else f"GPUs unknown ({'; '.join(reasons)})"
     used = [g.utilization for g in gpus if g.utilization is not None]
     busy = f"{percent(sum(used) / len(used)) if used else '?'} busy"
     memory = f"{size(sum(g.memory_used or 0 for g in gpus))} / {size(sum(g.memory_total or 0 for g in gpus))}"

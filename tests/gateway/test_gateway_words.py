@@ -20,7 +20,8 @@ RAW_FLOAT = re.compile(r"\d\.\d{4,}")  # 5.449093341827393: more digits than any
 UNIX_TIME = re.compile(r"\b1[6-9]\d{8}\b|\b1,[6-9]\d{2},\d{3},\d{3}\b")  # 1796141884 or 1,796,141,884
 BRIEF = re.compile(
     r"^active: 30 / 100 samples — 30\.0 % done · [\d.,]+ samples/s, [\d.,]+ tok/s · 3 errors \([\d.]+ %\) · "
-    r"disk [\d.]+ [KMGT]?B used, [\d.]+ [KMGT]B free · ETA ~[\d.]+ (min|s|h)[\w ]* · GPUs unknown: .+ · running$"
+    r"disk [\d.]+ [KMGT]?B used, [\d.]+ [KMGT]B free · ETA ~[\d.]+ (min|s|h)[\w ]* · "
+    r"GPUs unknown \(no NVML here\) · running$"
 )
 
 
@@ -118,7 +119,7 @@ def test_dead_workers_and_finished_servers_leave_the_tables(runs, gateway):
     assert [s["url"] for s in cluster["inference_gone"]] == ["http://old:30000"]
     [gpus] = cluster["gpus"]
     assert (gpus["role"], gpus["host"], gpus["gpus"], gpus["live"]) == ("inference", "h1", None, True)
-    assert gpus["detail"].startswith("unknown:")
+    assert gpus["detail"].startswith("no NVML here (")
 
 
 def check_words(text: str) -> None:

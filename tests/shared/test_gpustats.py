@@ -65,7 +65,7 @@ def fake_nvml(tmp_path, monkeypatch) -> Path:
 
 def test_without_the_binding_the_gpus_are_unknown(monkeypatch):
     monkeypatch.setattr(gpustats, "pynvml", None)
-    assert gpustats.GpuReader({}).read() == (None, "unknown: nvidia-ml-py is not installed")
+    assert gpustats.GpuReader({}).read() == (None, "nvidia-ml-py is not installed")
 
 
 def test_without_a_driver_the_gpus_are_unknown_and_say_why():
@@ -75,7 +75,7 @@ def test_without_a_driver_the_gpus_are_unknown_and_say_why():
     except gpustats.pynvml.NVMLError:
         pass
     gpus, detail = gpustats.GpuReader({}).read()
-    assert gpus is None and detail.startswith("unknown: no NVML here (") and "Not Found" in detail
+    assert gpus is None and detail.startswith("no NVML here (") and "Not Found" in detail
 
 
 def test_a_reader_takes_the_visible_gpus_only(fake_nvml):
@@ -86,7 +86,7 @@ def test_a_reader_takes_the_visible_gpus_only(fake_nvml):
     assert len(gpustats.GpuReader({}).read()[0]) == 2  # none named: every GPU NVML sees
     assert gpustats.GpuReader({"CUDA_VISIBLE_DEVICES": ""}).read() == ([], "")  # none visible: no GPU to read
     gpus, detail = gpustats.GpuReader({"CUDA_VISIBLE_DEVICES": "GPU-4d1c"}).read()
-    assert gpus is None and detail == "unknown: no NVML here (Not Found)"
+    assert gpus is None and detail == "no NVML here (Not Found)"
 
 
 def supervisor(redis_server, env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -126,8 +126,8 @@ def test_the_inference_supervisor_publishes_its_gpus_in_the_status(redis, redis_
         [host] = report.cluster.gpus
         assert (host.role, host.host, host.run, host.live, host.pid) == ("inference", "gpu-host-1", "", True, proc.pid)
         if nvml == "absent":
-            assert host.gpus is None and host.detail.startswith("unknown: no NVML here")
-            assert " · GPUs unknown: no NVML here (" in report.run.brief
+            assert host.gpus is None and host.detail.startswith("no NVML here (")
+            assert " · GPUs unknown (no NVML here) · running" in report.run.brief
         else:
             assert [(g.index, g.utilization) for g in host.gpus] == [(0, 0.0), (1, 97.0)]
             assert " · GPUs 2 × 48.5 % busy, 129.9 GB / 302.8 GB · running" in report.run.brief
