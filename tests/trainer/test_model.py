@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from eaglet.services.trainer.model import Drafter, DrafterConfig, KVCache, ttt_attention_flex, ttt_attention_math
+from eaglet.services.trainer.model import (
+    Drafter,
+    DrafterConfig,
+    KVCache,
+    ttt_attention_flex,
+    ttt_attention_math,
+    ttt_block_mask,
+)
 
 
 def tiny_drafter(seed: int = 0) -> Drafter:
@@ -21,13 +28,30 @@ def test_config_names_the_bad_field():
                       vocab_size=50, draft_vocab_size=51)  # fmt: skip
 
 
-def test_flex_attention_matches_math():
+@pytest.mark.parametrize("T, steps", [(16, 3), (300, 3), (256, 2), (129, 7)])
+def test_flex_attention_matches_math(T, steps):
     torch.manual_seed(0)
-    B, h, T, d = 2, 2, 16, 8
-    ks = [torch.randn(B, h, T, d) for _ in range(3)]
-    vs = [torch.randn(B, h, T, d) for _ in range(3)]
+    B, h, d = 2, 2, 8
+    ks = [torch.randn(B, h, T, d) for _ in range(steps)]
+    vs = [torch.randn(B, h, T, d) for _ in range(steps)]
     q = torch.randn(B, h, T, d)
     torch.testing.assert_close(ttt_attention_flex(q, ks, vs), ttt_attention_math(q, ks, vs), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("T, steps", [(16, 3), (300, 3), (129, 7)])
+def test_the_block_mask_built_row_by_row_is_torchs_own(T, steps):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mine = ttt_block_mask(T, steps, torch.device("cpu"))
+    length = torch.tensor(T)
+
+    def mask_mod(b, h, q_idx, kv_idx):  # the mask, evaluated densely by torch
+        j, s = kv_idx // length, kv_idx % length
+        return ((j == 0) & (s <= q_idx)) | ((j > 0) & (s == q_idx))
+
+    theirs = create_block_mask(mask_mod, None, None, T, T * steps, device="cpu")
+    assert torch.equal(mine.to_dense(), theirs.to_dense())  # the blocks attended at all
+    assert int(mine.full_kv_num_blocks.sum()) <= int(theirs.full_kv_num_blocks.sum())  # full only where all set
 
 
 @torch.no_grad()

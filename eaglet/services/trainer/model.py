@@ -232,23 +232,51 @@ _flex_masks: dict[tuple, object] = {}
 def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
     """The same attention through FlexAttention: a block-sparse mask over the steps' keys laid end to end,
     so memory stays O(T * steps) however long the sample (compiled on GPU)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     T = q.shape[2]
     steps = len(ks)
     key = (T, steps, q.device)
     if key not in _flex_masks:
-        # T as a tensor, not a Python int: the compiled kernel takes it as an input instead of recompiling per length
-        length = torch.tensor(T, device=q.device)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            j, s = kv_idx // length, kv_idx % length
-            return ((j == 0) & (s <= q_idx)) | ((j > 0) & (s == q_idx))
-
         if len(_flex_masks) > 256:
             _flex_masks.clear()
-        _flex_masks[key] = create_block_mask(mask_mod, None, None, T, T * steps, device=q.device)
+        _flex_masks[key] = ttt_block_mask(T, steps, q.device)
     return _flex_attention()(q, torch.cat(ks, 2), torch.cat(vs, 2), block_mask=_flex_masks[key])
+
+
+def ttt_block_mask(T: int, steps: int, device: torch.device, block: int = 128):
+    """The TTT mask (see ``ttt_attention_math``) as a BlockMask, built block row by block row: torch's
+    ``create_block_mask`` evaluates the mask densely over T x T * steps cells (tens of GiB at 32 K tokens)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    # T as a tensor, not a Python int: the compiled kernel takes it as an input instead of recompiling per length
+    length = torch.tensor(T, device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j, s = kv_idx // length, kv_idx % length
+        return ((j == 0) & (s <= q_idx)) | ((j > 0) & (s == q_idx))
+
+    kv_len = T * steps
+    q_blocks, kv_blocks = -(-T // block), -(-kv_len // block)
+    cols = torch.arange(kv_blocks * block, device=device)
+    j, s = cols // T, cols % T
+    inside = cols < kv_len
+    rows_per_chunk = block * max(1, 2**26 // (kv_blocks * block * block))  # ~64 M cells at a time
+    partial, full = [], []
+    for r0 in range(0, q_blocks * block, rows_per_chunk):
+        r = torch.arange(r0, min(r0 + rows_per_chunk, q_blocks * block), device=device)[:, None]
+        cells = inside & (r < T) & (((j == 0) & (s <= r)) | ((j > 0) & (s == r)))  # [rows, kv_blocks * block]
+        cells = cells.view(-1, block, kv_blocks, block)
+        some, every = cells.any(3).any(1), cells.all(3).all(1)  # [row blocks, kv_blocks]
+        partial.append(some & ~every)
+        full.append(every)
+
+    def blocks(m: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        m = torch.cat(m)
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)  # the blocks that are set first, ascending
+        return m.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    (num, idx), (full_num, full_idx) = blocks(partial), blocks(full)
+    return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(T, kv_len))  # fmt: skip
 
 
 _compiled_flex = None
