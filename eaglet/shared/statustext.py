@@ -250,6 +250,9 @@ def _brief(
         parts[0] += f" {count(ex.done)} / {count(ex.total)} samples — {percent(ex.percent)} done"
         parts += [f"{figure(ex.samples_per_s)} samples/s, {figure(ex.tokens_per_s)} tok/s",
                   _errors(ex.errors, ex.done + ex.errors), _disk(st), _eta(ex.eta_s, ex.stalled_since)]  # fmt: skip
+    elif run.stage == Stage.evaluating:
+        trained = f"{count(tr.step)} steps trained" if tr.step is not None else "trained"
+        parts[0] += f" {trained}; " + (_evaluation(evaluation) if evaluation.state else "the evaluation starts")
     elif run.stage in TRAINER_STAGES and tr.step is not None:
         parts[0] += f" step {count(tr.step)} / {count(tr.total_steps)} — {percent(tr.percent)} trained"
         parts += [f"loss {figure(tr.loss)}"]

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from eaglet.shared.heartbeats import beat, report_inference
-from eaglet.shared.records import TrainProgress, WorkerRole, WorkerState
+from eaglet.shared.records import EvalResult, TrainProgress, WorkerRole, WorkerState
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.status import StatusConfig, read_run, read_status
 
@@ -122,3 +122,20 @@ def test_the_eta_is_withheld_while_nothing_completes_and_measured_again_after(re
     # since that one, not the 31 over a span that holds the gap.
     first_after = float(redis.lindex(state.keys.recent, 10).split()[0])
     assert ex.samples_per_s == pytest.approx(10 / (report.generated_at - first_after))
+
+
+def test_an_evaluating_run_says_how_far_its_evaluation_is(redis):
+    state = extracting_run(redis, total=1)
+    state.mark_done(0, 10, 400)
+    state.start_training()
+    state.update_train(TrainProgress(step=99, total_steps=99, loss=5.45, beat_at=time.time()))
+    state.start_evaluating()
+    state.update_eval(EvalResult(state="running", prompts=10, k=2, prompts_done=4, accept_length=1.3012))
+    run = read_run(redis, "r1", config=CONFIG).run
+    assert run.brief == (
+        "r1: 99 steps trained; evaluating at k 2 on 10 held-out prompts: 4 / 10 prompts, accept length 1.30 so far "
+        "· GPUs: no report · evaluating"
+    )
+    assert (
+        run.lines["evaluation"] == "evaluating at k 2 on 10 held-out prompts: 4 / 10 prompts, accept length 1.30 so far"
+    )
