@@ -94,6 +94,14 @@ def forget(redis: Redis, role: GpuRole, host: str) -> None:
     redis.hdel(keys.GPUS, beat_field(role, host, os.getpid()))
 
 
+def prune(redis: Redis, role: GpuRole, host: str, older_than_s: float) -> None:
+    """Removes the reports of this host's processes of ``role`` silent for ``older_than_s`` (ones that died): a
+    restarted process adds a report of its own, and the hash would keep one per death."""
+    for name, value in redis.hgetall(keys.GPUS).items():
+        if name.startswith(f"{role} {host} ") and time.time() - GpuBeat.from_redis(value).ts > older_than_s:
+            redis.hdel(keys.GPUS, name)
+
+
 def beat_until(stop: threading.Event, interval_s: float, beat: Callable[[], None], what: str) -> None:
     """Calls ``beat`` every ``interval_s`` until ``stop``; a Redis that does not answer is logged once per outage,
     and never stops the process it reports on."""

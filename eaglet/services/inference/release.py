@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
              f"on, GPUs {','.join(gpus) or '(none)'}" if releasing else "off")  # fmt: skip
     host, reader, beating = settings.status_host, gpustats.GpuReader(os.environ), threading.Event()
     publish = partial(gpustats.publish, redis, reader, role=GpuRole.inference, host=host)
+    with contextlib.suppress(RedisError):  # a Redis not up yet: the beats start when it is
+        gpustats.prune(redis, GpuRole.inference, host, settings.lost_after_s)
     beat = threading.Thread(target=gpustats.beat_until, daemon=True, name="gpu-beat",
                             args=(beating, settings.heartbeat_interval_s, publish, "GPU report"))  # fmt: skip
     beat.start()

@@ -34,7 +34,7 @@ from eaglet.services.trainer.train import Dist, TrainConfig, init_distributed, t
 from eaglet.shared import gpustats
 from eaglet.shared.config import Settings
 from eaglet.shared.gpus import SETTING, GpuHandoffError, check_handoff, cuda_devices, visible_gpus
-from eaglet.shared.records import GPUS_RELEASED, GpuRole, TrainProgress
+from eaglet.shared.records import GPUS_RELEASED, LOST_AFTER_BEATS, GpuRole, TrainProgress
 from eaglet.shared.runstate import RunState, StageRefused
 from eaglet.shared.target import resolve_model_dir
 
@@ -155,6 +155,8 @@ def heartbeat(state: RunState, interval_s: float, stop: threading.Event, host: s
     ``/status`` as the ``trainer_lost`` alert, not as a run training forever. Each beat also publishes the GPUs of
     this host the trainer uses (NVML takes no GPU memory: reading it before the release is harmless)."""
     reader = gpustats.GpuReader(os.environ)
+    with contextlib.suppress(RedisError):  # a report of this host's trainer that died before: gone
+        gpustats.prune(state.redis, GpuRole.trainer, host, LOST_AFTER_BEATS * interval_s)
 
     def beat() -> None:
         state.update_train(TrainProgress(beat_at=time.time(), host=socket.gethostname(), pid=os.getpid()))
