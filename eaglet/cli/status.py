@@ -55,7 +55,7 @@ def render_run(run: RunStatus) -> Panel:
         percents["regeneration"] = run.regeneration.percent
     grid = Table.grid(padding=(0, 1))
     for stage, line in run.lines.items():
-        grid.add_row(stage, _bar(percents[stage]) if stage in percents else "", line)
+        grid.add_row(stage, _bar(percents[stage]) if stage in percents else "", Text(line))  # text, not markup
     for e in run.extraction.last_errors[:5]:
         grid.add_row(Text("error", style="red"), e.sample_id, Text(e.reason, overflow="ellipsis"))
     for a in run.alerts:

@@ -437,7 +437,7 @@ def _gpu_hosts(raw: dict, config: StatusConfig, now: float, forget_after: float)
                     live=age <= config.lost_after_s,
                 )
             )
-    return sorted(hosts, key=lambda h: (h.role, h.host, h.pid or 0))  # fmt: skip
+    return sorted(hosts, key=lambda h: (h.role, h.host, h.pid or 0))
 
 
 def _worker(name: str, beat: WorkerBeat, age: float, lost: bool) -> WorkerStatus:
