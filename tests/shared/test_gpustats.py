@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from eaglet.services.gateway.collector import StatusCollector
 from eaglet.services.trainer.main import heartbeat
 from eaglet.shared import gpustats, keys
 from eaglet.shared.records import GpuBeat, GpuRole, GpuStat
@@ -132,6 +133,11 @@ def test_the_inference_supervisor_publishes_its_gpus_in_the_status(redis, redis_
             assert " · GPUs unknown (no NVML here) · running" in report.run.brief
         else:
             assert [(g.index, g.utilization) for g in host.gpus] == [(0, 0.0), (1, 97.0)]
+            collected = StatusCollector(redis, CONFIG, 10, lambda: None).collect()
+            metrics = {(m.name.removeprefix("eaglet_gpu_"), s.labels["gpu"]): s.value
+                       for m in collected if m.name.startswith("eaglet_gpu_") for s in m.samples}  # fmt: skip
+            assert metrics == {("utilization_percent", "0"): 0.0, ("utilization_percent", "1"): 97.0,
+                               ("memory_used_bytes", "0"): 2**30, ("memory_used_bytes", "1"): 120 * 2**30}  # fmt: skip
             assert " · GPUs 2 × 48.5 % busy, 129.9 GB / 302.8 GB · running" in report.run.brief
     finally:
         stop(proc)

@@ -145,12 +145,21 @@ def _cluster_metrics(report: StatusReport) -> Iterator[Metric]:
             pressure.add_metric([s.host, s.url], s.dump_backpressure)
         if s.dump_queued_bytes is not None:
             queued.add_metric([s.host, s.url], s.dump_queued_bytes)
+    gpu = ["host", "role", "gpu"]
+    busy = _gauge("gpu_utilization_percent", "Share of the last sample period a kernel ran on the GPU (NVML)", gpu)
+    used = _gauge("gpu_memory_used_bytes", "GPU memory in use (NVML)", gpu)
+    for h in (h for h in c.gpus if h.live and h.gpus):  # a report gone stale says nothing of now
+        for g in h.gpus:
+            if g.utilization is not None:
+                busy.add_metric([h.host, h.role, str(g.index)], g.utilization)
+            if g.memory_used is not None:
+                used.add_metric([h.host, h.role, str(g.index)], g.memory_used)
     workers = _gauge("workers", "Workers by liveness", ["liveness"])
     workers.add_metric(["live"], c.workers_live)
     workers.add_metric(["lost"], c.workers_lost)
     runs = _gauge("runs", "Runs registered", [])
     runs.add_metric([], report.runs_total)
-    yield from (beat, lost, stages, up, pressure, queued, rate, workers, runs)
+    yield from (beat, lost, stages, up, pressure, queued, rate, busy, used, workers, runs)
     if c.disk_free is not None:
         yield GaugeMetricFamily("eaglet_disk_free_bytes", "Free bytes on the data volume", value=c.disk_free)
     if c.disk_total is not None:
