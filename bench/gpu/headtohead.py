@@ -554,7 +554,7 @@ def phase_eval() -> None:
 def ablations() -> dict[str, str]:
     """H2H_ABLATIONS: ``name=trainer flags`` separated by ``;`` (``fp8``: the default recipe on the conversations
     extracted again with fp8 storage). Each is one change from eaglet's default recipe."""
-    spec = os.environ.get("H2H_ABLATIONS", "noise=--aux-noise 0.05;normfc=--norm-before-fc;lr3e-4=--lr 3e-4;fp8=")
+    spec = os.environ.get("H2H_ABLATIONS", "lk=--loss lk-lambda;normfc=--norm-before-fc;noise=--aux-noise 0.05;fp8=")
     return {n.strip(): f.strip() for n, _, f in (item.partition("=") for item in spec.split(";") if item.strip())}
 
 

@@ -1,5 +1,6 @@
 """Long samples' memory options change nothing but memory: the loss in chunks of positions (its logits recomputed
-in the backward pass) and checkpointed unrolled steps give the same loss, accuracies and gradients."""
+in the backward pass) and checkpointed unrolled steps give the same loss, accuracies and gradients; the LK losses
+are what SpecForge defines."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ def objective(**options) -> TTTObjective:
                         vocab_size=V, draft_vocab_size=40)  # fmt: skip
     torch.manual_seed(0)
     drafter = Drafter(cfg, torch.randn(V, H))
-    o = TTTObjective(drafter, torch.randn(V, H), TrainConfig(ttt_steps=4, **options), "math", oov=True)
+    o = TTTObjective(drafter, torch.randn(V, H), TrainConfig(**{"ttt_steps": 4, **options}), "math", oov=True)
     o.set_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(1))[:40].sort().values)
     return o
 
@@ -48,3 +49,38 @@ def test_chunked_loss_and_checkpointed_steps_equal_the_plain_computation(options
 def test_loss_chunk_is_checked():
     with pytest.raises(ValueError, match="loss_chunk"):
         TrainConfig(loss_chunk=-1)
+
+
+@pytest.mark.parametrize("loss", ["lk-alpha", "lk-lambda"])
+def test_lk_losses_chunked_equal_plain(loss):
+    plain = run(objective(loss_chunk=0, loss=loss))
+    other = run(objective(loss_chunk=4, loss=loss, checkpoint_steps=True))
+    for a, b in zip(plain[:3], other[:3], strict=True):
+        assert torch.allclose(a, b, atol=1e-5), (a, b)
+    for name, grad in plain[3].items():
+        assert torch.allclose(grad, other[3][name], atol=1e-5), name
+
+
+def test_lk_alpha_is_minus_the_log_of_the_expected_acceptance():
+    o = objective(loss="lk-alpha", ttt_steps=1).eval()
+    ids, mask, hidden, aux = batch()
+    _, losses, _ = o(ids, mask, hidden, aux)
+    with torch.no_grad():
+        full = torch.softmax(hidden @ o.target_head.T, -1)  # the target's probabilities over its whole vocabulary
+        usable = o.drafter.t2d[full.argmax(-1)]
+        out = o.drafter.forward_ttt(ids, aux, 1)[0]
+        q = torch.softmax(o.drafter.logits(out), -1)  # [B, T, Vd]
+        logs = []
+        for b in range(B):
+            for t in range(T - 2):
+                if mask[b, t + 2] and usable[b, t + 1]:
+                    accept = torch.minimum(full[b, t + 1, o.draft_ids], q[b, t]).sum()
+                    logs.append(torch.log(accept))
+    assert torch.allclose(losses[0], -torch.stack(logs).mean(), atol=1e-5)
+    kl = objective(loss="kl", ttt_steps=1).eval()(ids, mask, hidden, aux)[1]
+    assert not torch.allclose(kl, losses)
+
+
+def test_the_loss_is_checked():
+    with pytest.raises(ValueError, match="loss"):
+        TrainConfig(loss="mse")

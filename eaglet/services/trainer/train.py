@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 Attention = Literal["auto", "math", "flex"]
 OovMask = Literal["auto", "on", "off"]
+Loss = Literal["kl", "lk-alpha", "lk-lambda"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,6 +67,15 @@ class TrainConfig:
     """Unrolled training-time-test steps; the drafter is trained to draft this many tokens in a chain."""
     step_weight: float = 0.8
     """Loss weight of step i is step_weight ** i."""
+    loss: Loss = "kl"
+    """kl: forward KL(target || drafter) over the draft vocabulary | lk-alpha: minus the log of the expected
+    acceptance sum_v min(p_v, q_v) (p: the target's probabilities over its whole vocabulary, on the draft
+    vocabulary's tokens; q: the drafter's) | lk-lambda: w KL + (1 - w) (1 - acceptance), w = lk_kl_scale *
+    exp(-lk_kl_decay * acceptance): SpecForge's acceptance-aware LK losses, per step, then weighted as above."""
+    lk_kl_scale: float = 1.0
+    """lk-lambda's weight of the KL term at zero acceptance."""
+    lk_kl_decay: float = 1.0
+    """lk-lambda: how fast the KL term's weight falls as the acceptance grows."""
     draft_vocab_size: int = 32768
     """Clipped to the target vocabulary. 32K suits 128K+ vocabularies; 8K-16K for small models."""
     draft_head_dim: int = 0
@@ -151,7 +161,7 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.loader_workers must be 0 (read in the loop) or more, got {self.loader_workers}"
             )
-        for name, choices in (("attention", Attention), ("oov_mask", OovMask)):
+        for name, choices in (("attention", Attention), ("oov_mask", OovMask), ("loss", Loss)):
             if getattr(self, name) not in get_args(choices):
                 raise ValueError(
                     f"TrainConfig.{name} must be one of {', '.join(get_args(choices))}, got {getattr(self, name)!r}"
@@ -204,38 +214,56 @@ class TTTObjective(nn.Module):
         return [(lo, min(lo + size, n)) for lo in range(0, n, size)] or [(0, 0)]
 
     @torch.no_grad()
-    def usable(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, T, H] (target's final normed states) -> positions whose target top token (over the whole
-        vocabulary) is in the draft vocabulary [B, T]; all when the OOV mask is off. By chunks of positions: the
+    def target_view(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [B, T, H] (target's final normed states) -> (positions whose target top token over the whole
+        vocabulary is in the draft vocabulary [B, T], all when the OOV mask is off; the log of the target's
+        normalizer over the whole vocabulary [B, T], for the LK losses, else None). By chunks of positions: the
         full-vocabulary logits of a long sample would be T x V."""
-        if not self.oov:
-            return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        lk = self.cfg.loss != "kl"
+        if not (self.oov or lk):
+            return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device), None
         head = self.target_head.T.to(hidden.dtype)
-        top = torch.cat([(hidden[:, lo:hi] @ head).argmax(-1) for lo, hi in self.spans(hidden.shape[1])], 1)
-        return self.drafter.t2d[top]
+        tops, lses = [], []
+        for lo, hi in self.spans(hidden.shape[1]):
+            logits = hidden[:, lo:hi] @ head  # [B, hi - lo, V]
+            tops.append(logits.argmax(-1))
+            if lk:
+                lses.append(torch.logsumexp(logits.float(), -1))
+        usable = self.drafter.t2d[torch.cat(tops, 1)] if self.oov else torch.ones_like(torch.cat(tops, 1), dtype=bool)
+        return usable, torch.cat(lses, 1) if lk else None
 
-    def chunk_terms(self, lo: int, hi: int, head: torch.Tensor, hidden: torch.Tensor, outs: tuple, masks: tuple):
-        """Per step, the summed forward KL(target || drafter) and the number of right top tokens over the target
-        positions [lo, hi): the target's log-probs over the draft vocabulary are formed here, once for every step
-        that predicts from them (step i at drafter position t predicts from target position t + 1 + i)."""
+    def chunk_terms(self, lo, hi, head, hidden, lse, outs: tuple, masks: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per step, over the target positions [lo, hi): [KL summed, right top tokens, expected acceptance summed,
+        its log summed] (the last two 0 for the KL loss). The target's log-probs over the draft vocabulary are
+        formed here, once for every step that predicts from them (step i at drafter position t predicts from
+        target position t + 1 + i)."""
         with torch.no_grad():
-            tlogp = torch.log_softmax((hidden[:, lo:hi] @ head).float(), -1)  # [B, hi - lo, Vd]
-        kls, hits = [], []
+            logits = (hidden[:, lo:hi] @ head).float()  # [B, hi - lo, Vd]
+            tlogp = torch.log_softmax(logits, -1)
+            full = logits - lse[:, lo:hi, None] if lse is not None else None  # log p over the whole vocabulary
+        sums = []
         for i, (out, m) in enumerate(zip(outs, masks, strict=True)):
             t0, t1 = max(lo - 1 - i, 0), min(hi - 1 - i, m.shape[1])
             mm = m[:, t0 : max(t0, t1)]
-            lp = tlogp[:, t0 + 1 + i - lo : t0 + 1 + i - lo + mm.shape[1]][mm]  # [N, Vd]
+            rows = slice(t0 + 1 + i - lo, t0 + 1 + i - lo + mm.shape[1])
+            lp = tlogp[:, rows][mm]  # [N, Vd]
             logq = torch.log_softmax(self.drafter.logits(out[:, t0 : t0 + mm.shape[1]][mm]).float(), -1)
-            kls.append((lp.exp() * (lp - logq)).sum())
-            hits.append((logq.argmax(-1) == lp.argmax(-1)).sum().float().detach())
-        return torch.stack(kls), torch.stack(hits)
+            kl = (lp.exp() * (lp - logq)).sum()
+            hits = (logq.argmax(-1) == lp.argmax(-1)).sum().float().detach()
+            if full is None:
+                sums.append(torch.stack([kl, hits, torch.zeros_like(kl), torch.zeros_like(kl)]))
+                continue
+            accept = torch.minimum(full[:, rows][mm].exp(), logq.exp()).sum(-1)  # [N]
+            log_accept = torch.where(accept > 0, accept.clamp_min(1e-30).log(), torch.zeros_like(accept))
+            sums.append(torch.stack([kl, hits, accept.sum(), log_accept.sum()]))
+        return torch.stack(sums, 1)  # [4, steps]
 
     def forward(self, input_ids, loss_mask, hidden_states, aux_hidden_states):
         """(weighted loss, per-step losses [ttt_steps], per-step accuracies [ttt_steps]) as this process's share of
         the global batch while training across processes: summed over the processes they are what one process
         would compute on the whole batch. Otherwise (one process, evaluation) the figures of this batch alone."""
         T = input_ids.shape[1]
-        usable = self.usable(hidden_states)
+        usable, lse = self.target_view(hidden_states)
         if self.training and self.cfg.aux_noise > 0:
             aux_hidden_states = aux_hidden_states + torch.empty_like(aux_hidden_states).uniform_(
                 -self.cfg.aux_noise, self.cfg.aux_noise
@@ -250,18 +278,23 @@ class TTTObjective(nn.Module):
         counts, positions = self.global_counts(torch.stack([m.sum() for m in masks] + positions)).split(len(outs))
         head = self.target_head[self.draft_ids].T.to(hidden_states.dtype)  # [H, Vd]
         spans = self.spans(T)
-        kl = torch.zeros(len(outs), device=input_ids.device)
-        hits = torch.zeros(len(outs), device=input_ids.device)
+        sums = torch.zeros(4, len(outs), device=input_ids.device)
         for lo, hi in spans:
-            args = (lo, hi, head, hidden_states, tuple(outs), masks)
+            args = (lo, hi, head, hidden_states, lse, tuple(outs), masks)
             if len(spans) > 1 and torch.is_grad_enabled():  # keep a chunk's inputs only; its logits are recomputed
-                k, h = torch.utils.checkpoint.checkpoint(self.chunk_terms, *args, use_reentrant=False)
+                sums = sums + torch.utils.checkpoint.checkpoint(self.chunk_terms, *args, use_reentrant=False)
             else:
-                k, h = self.chunk_terms(*args)
-            kl, hits = kl + k, hits + h
-        losses = kl / counts
+                sums = sums + self.chunk_terms(*args)
+        kl, hits, accept, log_accept = sums / torch.stack([counts, positions, counts, counts])
+        if self.cfg.loss == "lk-alpha":
+            losses = -log_accept
+        elif self.cfg.loss == "lk-lambda":
+            w = self.cfg.lk_kl_scale * torch.exp(-self.cfg.lk_kl_decay * accept.detach())
+            losses = w * kl + (1 - w) * (1 - accept)
+        else:
+            losses = kl
         weights = self.cfg.step_weight ** torch.arange(len(outs), device=input_ids.device, dtype=losses.dtype)
-        return (weights * losses).sum(), losses.detach(), hits / positions
+        return (weights * losses).sum(), losses.detach(), hits
 
     def global_counts(self, local: torch.Tensor) -> torch.Tensor:
         """Position counts (per step): over every process's batch while training across processes, so the loss is
