@@ -8,6 +8,7 @@ Random weights are drawn on the GPU (normal, std 0.02; norms 1) and written stra
 an 8B model takes seconds, not the minutes of a Hugging Face init on the CPU.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -47,15 +48,37 @@ SHAPES = {
 }
 
 
+def llama_config(c: dict) -> dict:
+    """config.json of a Llama of shape ``c`` (one of ``SHAPES``' entries, or another of the same keys)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "head_dim": c["hidden_size"] // c["num_attention_heads"],
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        "torch_dtype": "bfloat16",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "rope_parameters": {"rope_theta": c["rope_theta"], "rope_type": "default"},
+        **c,
+    }
+
+
+def random_bf16(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """Normal (std 0.02) bf16 weights drawn on ``g``'s device, returned on the CPU for safetensors."""
+    return (torch.randn(*shape, generator=g, device=g.device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+
+
 def random_llama(shape: str, out: str, tokenizer_dir: str) -> None:
     c = SHAPES[shape]
     h, i, n = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     hd = h // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hd
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def rnd(*s):
-        return (torch.randn(*s, generator=g, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+    rnd = functools.partial(random_bf16, torch.Generator(device="cuda").manual_seed(0))
 
     t = {"model.embed_tokens.weight": rnd(c["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
     if not c["tie_word_embeddings"]:
@@ -73,24 +96,8 @@ def random_llama(shape: str, out: str, tokenizer_dir: str) -> None:
         t[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
     os.makedirs(out, exist_ok=True)
     save_file(t, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "head_dim": hd,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 2,
-        "torch_dtype": "bfloat16",
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "rope_parameters": {"rope_theta": c["rope_theta"], "rope_type": "default"},
-        **c,
-    }
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+        json.dump(llama_config(c), f, indent=2)
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), out)
     print(f"{shape}: {sum(v.numel() for v in t.values()) / 1e6:.1f} M params -> {out}", flush=True)
