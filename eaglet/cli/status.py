@@ -87,9 +87,9 @@ def render_cluster(cluster: Cluster, now: float) -> Group:
         servers.add_row(s.host, s.url, health, server_model(s), rate, detail)
     parts.append(servers)
     if cluster.inference_gone:
-        gone = ", ".join(f"{s.host} {s.url} (last at {words.clock(now - s.seconds_since_report, now)})"
+        gone = ", ".join(f"{s.host} {s.url} (last report {words.clock(now - s.seconds_since_report, now)})"
                          for s in cluster.inference_gone)  # fmt: skip
-        parts.append(Text(f"no longer reported (finished runs' servers): {gone}", style="dim"))
+        parts.append(Text(f"out of service (no worker uses it, or no run needs it): {gone}", style="dim"))
     parts.append(render_gpus(cluster))
     return Group(*parts)
 

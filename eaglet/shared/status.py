@@ -255,9 +255,11 @@ class Cluster(BaseModel):
     workers_live: int
     workers_lost: int = Field(description="Lost workers listed in workers")
     workers_gone: int = Field(0, description="Workers lost longer ago than forget_after_s: counted, not listed")
-    inference: list[InferenceStatus] = Field(description="Servers their workers reported within forget_after_s")
+    inference: list[InferenceStatus] = Field(description="Servers in service: their workers report them")
     inference_gone: list[InferenceStatus] = Field(
-        default_factory=list, description="Servers no worker reported for longer: those of finished runs"
+        default_factory=list,
+        description="Servers out of service: no worker reported them within lost_after_s, or down while no run "
+        "(of those read) regenerates or extracts: a finished run's",
     )
     gpus: list[GpuHostStatus] = Field(
         default_factory=list, description="The GPUs of each inference supervisor and trainer that reported lately"
@@ -304,6 +306,7 @@ def read_status(
     cluster = _cluster(*replies[:CLUSTER_REPLIES], config, now, local_disk)
     runs = [_run(run_id, replies[CLUSTER_REPLIES + i * RUN_REPLIES :], cluster, config, now)
             for i, run_id in enumerate(run_ids)]  # fmt: skip
+    _set_aside_idle_servers(cluster, runs)
     return StatusReport(generated_at=now, runs_total=runs_total, offset=offset, limit=limit, runs=runs, cluster=cluster)
 
 
@@ -326,7 +329,18 @@ def read_run(
         return None
     now = time.time() if now is None else now
     cluster = _cluster(*replies[1 : 1 + CLUSTER_REPLIES], config, now, local_disk)
-    return RunReport(generated_at=now, run=_run(run_id, run_replies, cluster, config, now), cluster=cluster)
+    run = _run(run_id, run_replies, cluster, config, now)
+    _set_aside_idle_servers(cluster, [run])
+    return RunReport(generated_at=now, run=run, cluster=cluster)
+
+
+def _set_aside_idle_servers(cluster: Cluster, runs: list[RunStatus]) -> None:
+    """A server that is down while no run needs one is a finished run's (stopped, its GPUs released to the
+    trainer): out of service, not a server to worry about."""
+    if any(r.stage in ACTIVE_STAGES for r in runs):
+        return
+    cluster.inference_gone = [s for s in cluster.inference if not s.healthy] + cluster.inference_gone
+    cluster.inference = [s for s in cluster.inference if s.healthy]
 
 
 CLUSTER_REPLIES = 3
@@ -380,7 +394,7 @@ def _cluster(
     for health in sorted(parse_inference(inference).values(), key=lambda h: (h.host, h.url)):
         age = max(0.0, now - health.ts)
         users = [b for b, _, lost, _ in rows if not lost and (b.host, b.inference_url) == (health.host, health.url)]
-        (servers if age <= forget_after else gone).append(
+        (servers if age <= config.lost_after_s else gone).append(  # no report: no worker uses it any more
             InferenceStatus(
                 url=health.url,
                 host=health.host,

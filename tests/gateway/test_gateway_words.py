@@ -10,7 +10,7 @@ from eaglet.cli.status import main
 from eaglet.services.ingest.runs import create_run
 from eaglet.services.regenerate.progress import Batch, Progress
 from eaglet.shared import gpustats, keys
-from eaglet.shared.heartbeats import WorkerState, beat
+from eaglet.shared.heartbeats import WorkerState, beat, report_inference
 from eaglet.shared.records import EvalResult, GpuRole, InferenceBeat, TrainProgress, WorkerBeat
 from eaglet.shared.runoptions import RegenerateOptions, RunOptions
 from eaglet.shared.runstate import RunState
@@ -73,6 +73,7 @@ def runs(redis, tmp_path):
     for n in range(16):  # every worker that ever died in the run, an hour ago
         dead = WorkerBeat(worker=f"vm:{22151 + n}", state=WorkerState.busy, ts=now - 3600, run="active")
         redis.hset(keys.WORKERS, dead.worker, dead.to_redis())
+    report_inference(redis, "http://released:1", ok=False, detail="ConnectError", host="h2")  # stopped, workers on
     reader = gpustats.GpuReader({})  # this machine's NVML: none here, so the GPUs read as unknown
     gpustats.publish(redis, reader, role=GpuRole.inference, host="h1")
     return now
@@ -115,8 +116,11 @@ def test_dead_workers_and_finished_servers_leave_the_tables(runs, gateway):
     assert (cluster["workers_lost"], cluster["workers_gone"]) == (1, 16)
     [lost] = [a["message"] for a in run["alerts"] if a["kind"] == "workers_lost"]
     assert lost == "1 worker(s) lost: w-recent"  # not every worker that ever died
-    assert [s["url"] for s in cluster["inference"]] == []  # w-live's server never reported: only the old one is known
-    assert [s["url"] for s in cluster["inference_gone"]] == ["http://old:30000"]
+    assert [s["url"] for s in cluster["inference"]] == ["http://released:1"]  # down while a run extracts: a worry
+    assert [s["url"] for s in cluster["inference_gone"]] == ["http://old:30000"]  # no worker reports it any more
+    finished = gateway.client().get("/runs/finished").json()["cluster"]
+    assert finished["inference"] == []  # for a finished run a stopped server is no worry
+    assert [s["url"] for s in finished["inference_gone"]] == ["http://released:1", "http://old:30000"]
     [gpus] = cluster["gpus"]
     assert (gpus["role"], gpus["host"], gpus["gpus"], gpus["live"]) == ("inference", "h1", None, True)
     assert gpus["detail"].startswith("no NVML here (")
@@ -133,7 +137,7 @@ def test_cli_text_has_words_not_raw_figures(runs, redis_server, capsys, monkeypa
     out = capsys.readouterr().out
     check_words(out)
     assert "loss 5.45" in out and "accept length 1.27 at k 2" in out and "lost: 16 more" in out
-    assert "no longer reported (finished runs' servers): h0 http://old:30000" in out
+    assert "out of service (no worker uses it, or no run needs it): h0 http://old:30000" in out
     assert "unknown:" in out  # the GPUs' row
     assert main(["--brief", "--redis-url", redis_server.url]) == 0
     lines = capsys.readouterr().out.splitlines()
