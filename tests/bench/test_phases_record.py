@@ -44,3 +44,20 @@ def test_a_phase_whose_estimate_passes_the_deadline_is_skipped(tmp_path, monkeyp
     monkeypatch.setattr(sys, "argv", ["phases.py", "long"])
     assert P.main() == 0
     assert json.loads((P.OUT / "long.json").read_text())["skipped"].startswith("not started")
+
+
+def test_the_kept_conversations_are_the_data_phase(tmp_path, monkeypatch):
+    load_phases(tmp_path, monkeypatch)
+    import headtohead
+
+    H = importlib.reload(headtohead)  # its folders follow the phases module's
+    H.phase_data()
+    R = H.P.RESULTS["h2h-data"]
+    assert R["done"] and R["source"] == "bench/data/h2h" and R["conversations"] == 4004
+    train = (H.H2H / "train.jsonl").read_text().splitlines()
+    held = (H.H2H / "heldout.jsonl").read_text().splitlines()
+    assert len(train) == R["conversations"] and len(held) == R["heldout_prompts"]
+    first = json.loads(train[0])
+    assert [m["role"] for m in first["messages"]][:2] == ["user", "assistant"] and json.loads(held[0])["prompt"]
+    monkeypatch.setenv("H2H_NEW_DATA", "1")
+    assert not H.kept_data()  # new data asked for: the phase writes it with the target
