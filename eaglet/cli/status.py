@@ -73,6 +73,8 @@ def render_cluster(cluster: Cluster, now: float) -> Group:
         st = w.stage_seconds
         stages = f"{st['prefill']:.2f} / {st['check']:.2f} / {st['store']:.2f}" if "store" in st else ""
         table.add_row(w.name, state, w.run, w.sample, f"{words.duration(w.seconds_since_heartbeat)} ago", stages)
+    if not cluster.workers:
+        table.add_row("no worker reports", "", "", "", "", "")
     parts: list = [table]
     if cluster.workers_gone:
         parts.append(Text(f"lost: {cluster.workers_gone} more, silent for longer (not listed)", style="dim"))
@@ -85,6 +87,8 @@ def render_cluster(cluster: Cluster, now: float) -> Group:
         rate = f"{words.figure(s.tokens_per_s)} tok/s, {words.figure(s.samples_per_s)} samples/s, {s.workers} worker(s)"
         health = "healthy" if s.healthy else Text(f"down ({server_age(s)})", style="red")
         servers.add_row(s.host, s.url, health, server_model(s), rate, detail)
+    if not cluster.inference:
+        servers.add_row("", "no server in service", "", "", "", "")
     parts.append(servers)
     if cluster.inference_gone:
         gone = ", ".join(f"{s.host} {s.url} (last report {words.clock(now - s.seconds_since_report, now)})"
