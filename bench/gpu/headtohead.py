@@ -680,15 +680,27 @@ PHASES = {
     "h2h-gate": phase_gate,
     "h2h-report": phase_report,
 }
+
+
+def conversations() -> int:
+    """The conversations the run extracts: the kept ones' count, else the number it writes."""
+    kept = KEPT / "data.json"
+    return (
+        json.loads(kept.read_text())["conversations"]
+        if kept.exists() and not os.environ.get("H2H_NEW_DATA")
+        else N_CONV
+    )
+
+
 ESTIMATE_S = {
     # 10,002 conversations took 487 s, their extraction 60 s (one H200): per conversation, plus a server start
     "h2h-data": lambda: 5 if (KEPT / "train.jsonl.gz").exists() else 70 + N_CONV * 0.045,
-    "h2h-extract": lambda: 70 + N_CONV * 0.01,
+    "h2h-extract": lambda: 70 + conversations() * 0.01,
     "h2h-eaglet": estimate_eaglet,
     "h2h-specforge": estimate_specforge,
     "h2h-score": 60,
     "h2h-eval": 450,  # three server starts of ~55 s, five prompt-set decodes of ~45 s, the repeat
-    "h2h-extract-fp8": lambda: 70 + N_CONV * 0.01,
+    "h2h-extract-fp8": lambda: 70 + conversations() * 0.01,
     "h2h-ablate-train": estimate_eaglet,  # at least one recipe; the phase takes as many as the call has time for
     "h2h-ablate-eval": 130,
     "h2h-gate": 1,
