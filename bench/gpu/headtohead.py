@@ -299,11 +299,12 @@ def training_rows() -> list[tuple[int, str, int]]:
 
 
 def run_trainer(
-    phase: str, name: str, argv: list[str], pythonpath: str, env: dict, timeout: float, probe_dir: Path = P.OUT
+    R: dict, name: str, argv: list[str], pythonpath: str, env: dict, timeout: float, probe_dir: Path = P.OUT
 ) -> dict:
-    R = P.RESULTS.setdefault(phase, {})
+    """Runs a trainer process ``name`` to its end (or ``timeout``, or the call's deadline) and writes into the
+    record ``R``: its command, wall time, exit code, log tail, peak GPU memory and its probe's JSON."""
     R["cmd"] = " ".join(argv[1:])
-    probe = probe_dir / f"{phase}-probe.json"
+    probe = probe_dir / f"{name}-probe.json"
     timeout = min(timeout, time_left())
     t = time.time()
     with GpuMemory() as mem:
@@ -361,7 +362,8 @@ def phase_eaglet() -> None:
     run_id = P.RESULTS["h2h-extract"]["run_id"]
     argv = [sys.executable, "bench/gpu/train_probe.py", "--run", run_id, "--epochs", str(EPOCHS),
             "--checkpoint-every", "1000000"]  # fmt: skip
-    R = run_trainer("h2h-eaglet", "h2h-eaglet", argv, P.PY_EAGLET, P.eaglet_env(SMOL, P.SGL_PORT), TRAIN_TIMEOUT)
+    R = run_trainer(P.RESULTS.setdefault("h2h-eaglet", {}), "h2h-eaglet", argv, P.PY_EAGLET,
+                    P.eaglet_env(SMOL, P.SGL_PORT), TRAIN_TIMEOUT)  # fmt: skip
     train_hash = (R.get("probe") or {}).get("train_hash", {})
     R.update(epochs=EPOCHS, train_samples=len(rows), train_tokens=sum(r[2] for r in rows) * EPOCHS,
              optimizer_steps=train_hash.get("step"), trainer_reported_tokens_per_s=train_hash.get("tokens_per_s"),
@@ -398,7 +400,7 @@ def phase_specforge() -> None:
     drafter = H2H / "sf-drafter"
     argv = [sys.executable, "bench/gpu/specforge_train.py", str(cfg_path), str(drafter)]
     R["config"] = cfg
-    R = run_trainer("h2h-specforge", "h2h-specforge", argv, PY_SPECFORGE, {}, TRAIN_TIMEOUT)
+    R = run_trainer(R, "h2h-specforge", argv, PY_SPECFORGE, {}, TRAIN_TIMEOUT)
     R.update(epochs=EPOCHS, batch_size=batch_size, eaglet_batches_per_epoch=batches, train_samples=len(rows),
              train_tokens=sum(r[2] for r in rows) * EPOCHS, optimizer_steps=-(-len(rows) // batch_size) * EPOCHS,
              drafter_dir=str(drafter))  # fmt: skip
@@ -506,19 +508,23 @@ def phase_score() -> None:
     R = P.RESULTS.setdefault("h2h-score", {})
     found = {d: p for d, p in drafter_dirs().items() if p and Path(p, "config.json").exists()}
     R["missing"] = sorted(set(h2hreport.DRAFTERS) - set(found))
-    out = P.OUT / "h2h-score-figures.json"
+    R.update(score("h2h-score", found, P.OUT / "h2h-score-figures.json"))
+    R["done"] = R["rc"] == 0 and not R["missing"]
+
+
+def score(name: str, drafters: dict[str, str], out: Path) -> dict:
+    """``eaglet score`` of ``drafters`` (name -> folder) on the stored run's held-out samples, as process ``name``:
+    its command, exit code, wall time, log tail and each drafter's figures (``drafters``)."""
     argv = [sys.executable, "-m", "eaglet.services.trainer.score", "--run", P.RESULTS["h2h-extract"]["run_id"],
             "--model", str(SMOL), "--out", str(out)]  # fmt: skip
-    argv += [a for d, p in found.items() for a in ("--drafter", f"{d}={p}")]
-    R["cmd"] = " ".join(argv[1:])
+    argv += [a for d, p in drafters.items() for a in ("--drafter", f"{d}={p}")]
     t = time.time()
-    P.start("h2h-score", argv, P.PY_EAGLET, P.eaglet_env(SMOL, P.SGL_PORT))
-    R["rc"] = P.PROCS["h2h-score"].wait(timeout=max(30, time_left()))
-    R["wall_s"] = round(time.time() - t, 1)
-    R["log_tail"] = P.tail("h2h-score", 20)
-    P.stop("h2h-score")
+    P.start(name, argv, P.PY_EAGLET, P.eaglet_env(SMOL, P.SGL_PORT))
+    rc = P.PROCS[name].wait(timeout=max(30, time_left()))
+    R = {"cmd": " ".join(argv[1:]), "rc": rc, "wall_s": round(time.time() - t, 1), "log_tail": P.tail(name, 20)}
+    P.stop(name)
     R["drafters"] = json.loads(out.read_text()) if out.exists() else {}
-    R["done"] = R["rc"] == 0 and not R["missing"]
+    return R
 
 
 def phase_eval() -> None:
@@ -596,9 +602,8 @@ def phase_ablate_train() -> None:
         out = H2H / "recipes" / name
         argv = [sys.executable, "bench/gpu/ablate.py", "--run", run_id, "--out", str(out), "--model", str(SMOL),
                 "--epochs", str(EPOCHS), "--checkpoint-every", "1000000", *flags.split()]  # fmt: skip
-        rec["train"] = dict(run_trainer(f"h2h-recipe-{name}", f"h2h-recipe-{name}", argv, P.PY_EAGLET,
-                                        P.eaglet_env(SMOL, P.SGL_PORT), TRAIN_TIMEOUT, H2H))  # fmt: skip
-        P.RESULTS.pop(f"h2h-recipe-{name}", None)
+        rec["train"] = run_trainer({}, f"h2h-recipe-{name}", argv, P.PY_EAGLET, P.eaglet_env(SMOL, P.SGL_PORT),
+                                   TRAIN_TIMEOUT, H2H)  # fmt: skip
         rec["drafter_dir"] = str(out / "drafter")
         P.save(ABLATED)
     P.RESULTS.setdefault("h2h-ablate-train", {})["done"] = all(
@@ -613,24 +618,22 @@ def phase_ablate_eval() -> None:
     prompts = eval_prompts(tokenizer())
     for name, rec in A.items():
         ddir = rec.get("drafter_dir")
-        if rec.get("eval") and not any("error" in r for r in rec["eval"].values()):
+        if evaluated(rec):
             continue
         if not (ddir and Path(ddir, "config.json").exists()):
             continue
         if time_left() < 120:
             break
-        out = H2H / f"h2h-recipe-{name}-score.json"
-        argv = [sys.executable, "-m", "eaglet.services.trainer.score", "--run", P.RESULTS["h2h-extract"]["run_id"],
-                "--model", str(SMOL), "--out", str(out), "--drafter", f"{name}={ddir}"]  # fmt: skip
-        P.start("h2h-recipe-score", argv, P.PY_EAGLET, P.eaglet_env(SMOL, P.SGL_PORT))
-        P.PROCS["h2h-recipe-score"].wait(timeout=max(30, time_left()))
-        P.stop("h2h-recipe-score")
-        rec["score"] = json.loads(out.read_text()).get(name) if out.exists() else {"error": "no score"}
+        scored = score("h2h-recipe-score", {name: ddir}, H2H / f"h2h-recipe-{name}-score.json")
+        rec["score"] = scored["drafters"].get(name) or {"error": f"no score: {scored['log_tail'][-300:]}"}
         rec["eval"] = evaluate(f"recipe {name}", ddir, CHAINS[0], prompts, {})
         P.save(ABLATED)
-    P.RESULTS.setdefault("h2h-ablate-eval", {})["done"] = bool(A) and all(
-        r.get("eval") and not any("error" in x for x in r["eval"].values()) for r in A.values()
-    )
+    P.RESULTS.setdefault("h2h-ablate-eval", {})["done"] = bool(A) and all(evaluated(r) for r in A.values())
+
+
+def evaluated(recipe: dict) -> bool:
+    """The recipe was decoded on every prompt set without an error."""
+    return bool(recipe.get("eval")) and not any("error" in r for r in recipe["eval"].values())
 
 
 def phase_gate() -> None:

@@ -229,10 +229,11 @@ class TTTObjective(nn.Module):
             tops.append(logits.argmax(-1))
             if lk:
                 lses.append(torch.logsumexp(logits.float(), -1))
-        usable = self.drafter.t2d[torch.cat(tops, 1)] if self.oov else torch.ones_like(torch.cat(tops, 1), dtype=bool)
+        top = torch.cat(tops, 1)
+        usable = self.drafter.t2d[top] if self.oov else torch.ones_like(top, dtype=torch.bool)
         return usable, torch.cat(lses, 1) if lk else None
 
-    def chunk_terms(self, lo, hi, head, hidden, lse, outs: tuple, masks: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    def chunk_terms(self, lo, hi, head, hidden, lse, outs: tuple, masks: tuple) -> torch.Tensor:
         """Per step, over the target positions [lo, hi): [KL summed, right top tokens, expected acceptance summed,
         its log summed] (the last two 0 for the KL loss). The target's log-probs over the draft vocabulary are
         formed here, once for every step that predicts from them (step i at drafter position t predicts from
@@ -484,8 +485,10 @@ def start(
     if not train_items:
         raise RuntimeError(f"run {run_id}: no extracted samples to train on ({len(indexes)} done)")
     layers = captured_layers(meta, data_dir, run_id, train_items)
-    out = Path(out_dir) if out_dir is not None else None
-    folder = out / "checkpoints" if out else checkpoints_dir(data_dir, run_id)
+    if out_dir is not None:
+        folder, curves, drafter_out = (Path(out_dir) / name for name in ("checkpoints", "curves", "drafter"))
+    else:
+        folder, curves, drafter_out = (f(data_dir, run_id) for f in (checkpoints_dir, curves_dir, drafter_dir))
     folder.mkdir(parents=True, exist_ok=True)
     saved = ckpt.load_latest_state(folder)
     draft_ids = saved["draft_ids"] if saved is not None else draft_vocab(samples, train_items, target_dir, cfg, env)
@@ -500,10 +503,10 @@ def start(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, cfg.min_lr_ratio))
     s = Session(
         cfg=cfg, env=env, run_id=run_id, data_dir=data_dir, target_dir=target_dir, folder=folder,
-        drafter_out=out / "drafter" if out else drafter_dir(data_dir, run_id),
+        drafter_out=drafter_out,
         train_items=train_items, held_items=held_items, aux_layer_ids=layers,
         draft_ids=draft_ids, objective=objective, model=distribute(objective, env), opt=opt, sched=sched,
-        rep=Reporter(state, folder, out / "curves" if out else curves_dir(data_dir, run_id), env.main), total=total,
+        rep=Reporter(state, folder, curves, env.main), total=total,
     )  # fmt: skip
     if saved is not None:
         resume(s, saved)
