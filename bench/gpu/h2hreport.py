@@ -156,6 +156,7 @@ def recipes(results: dict, rows: list[dict]) -> list[dict]:
     for r in [default, *({"name": n, **rec} for n, rec in results[ABLATED].items())]:
         e, t, final = r.get("eval") or {}, r.get("train") or {}, ((r.get("train") or {}).get("probe") or {})
         row = {"name": r["name"], "flags": r.get("flags"), "wall_s": t.get("wall_s"), "error": t.get("error"),
+               "trained_beside": t.get("trained_beside"),
                "steps": number((final.get("final") or final.get("train_hash") or {}).get("step")),
                "heldout_acc": (r.get("score") or {}).get("heldout_acc")}  # fmt: skip
         for pset, theirs in sf.items():
@@ -236,13 +237,14 @@ def markdown(s: dict) -> str:
         lines += ["", "eaglet's recipes, one change each from the default, same data and SGLang build (accept length "
                   "at the first chain, its ratio to SpecForge's):", "",
                   "| recipe | flags | " + "".join(f"{p} accept length (÷ SpecForge) | " for p in sets)
-                  + "held-out accuracy per position | steps | wall s |",
+                  + "held-out accuracy per position | steps | wall s (recipes trained beside it) |",
                   "|---|---|" + "---|" * len(sets) + "---|---|---|"]  # fmt: skip
         for r in s["recipes"]:
             cells = "".join(f"{fmt(r[p]['accept_length'], 3)} ({fmt(r[p]['ratio_to_specforge'], 3)}) | " for p in sets)
             note = f" ({' '.join(str(r['error']).split())[:80]})" if r.get("error") else ""
+            beside = f" ({r['trained_beside']})" if r.get("trained_beside") else ""
             lines.append(f"| {r['name']}{note} | {r['flags'] or '—'} | {cells}{rates(r['heldout_acc'])} | "
-                         f"{fmt(r['steps'])} | {fmt(r['wall_s'], 1)} |")  # fmt: skip
+                         f"{fmt(r['steps'])} | {fmt(r['wall_s'], 1)}{beside} |")  # fmt: skip
     lines += ["", "Held-out accuracy per draft position (eaglet's scorer, the same held-out samples for both):", "",
               "| drafter | samples | tokens | accuracy per position | loss |", "|---|---|---|---|---|"]  # fmt: skip
     for d, h in s["heldout"].items():

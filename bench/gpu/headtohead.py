@@ -30,6 +30,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -303,25 +304,37 @@ def run_trainer(
 ) -> dict:
     """Runs a trainer process ``name`` to its end (or ``timeout``, or the call's deadline) and writes into the
     record ``R``: its command, wall time, exit code, log tail, peak GPU memory and its probe's JSON."""
-    R["cmd"] = " ".join(argv[1:])
-    probe = probe_dir / f"{name}-probe.json"
+    return run_trainers([(R, name, argv)], pythonpath, env, timeout, probe_dir)[0]
+
+
+def run_trainers(
+    jobs: list[tuple[dict, str, list[str]]], pythonpath: str, env: dict, timeout: float, probe_dir: Path = P.OUT
+) -> list[dict]:
+    """Trainer processes (record, name, argv) started together on the one GPU and waited for together, as
+    ``run_trainer`` does for one; the peak GPU memory is theirs together."""
     timeout = min(timeout, time_left())
     t = time.time()
     with GpuMemory() as mem:
-        P.start(name, argv, pythonpath, {**env, "PROBE_OUT": str(probe)})
-        try:
-            P.PROCS[name].wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        for R, name, argv in jobs:
+            R["cmd"] = " ".join(argv[1:])
+            P.start(name, argv, pythonpath, {**env, "PROBE_OUT": str(probe_dir / f"{name}-probe.json")})
+        ended: dict[str, float] = {}
+        while len(ended) < len(jobs) and time.time() - t < timeout:
+            ended |= {n: time.time() for _, n, _ in jobs if n not in ended and P.PROCS[n].poll() is not None}
+            time.sleep(0.5)
+    for R, name, _ in jobs:
+        R["rc"] = P.PROCS[name].poll()
+        if name not in ended:
             R["error"] = f"timed out after {timeout:.0f}s"
-    R["wall_s"] = round(time.time() - t, 1)
-    R["rc"] = P.PROCS[name].returncode
-    R["log_tail"] = P.tail(name, 40)
-    if R["rc"] not in (0, None) and "error" not in R:
-        R["error"] = f"exit {R['rc']}: {(R['log_tail'].splitlines() or [''])[-1][:300]}"
-    P.stop(name)
-    R["peak_gpu_GiB"] = round(mem.peak_mib / 1024, 2)
-    R["probe"] = json.loads(probe.read_text()) if probe.exists() else None
-    return R
+        R["wall_s"] = round(ended.get(name, time.time()) - t, 1)
+        R["log_tail"] = P.tail(name, 40)
+        if R["rc"] not in (0, None) and "error" not in R:
+            R["error"] = f"exit {R['rc']}: {(R['log_tail'].splitlines() or [''])[-1][:300]}"
+        P.stop(name)
+        R["peak_gpu_GiB"] = round(mem.peak_mib / 1024, 2)
+        probe = probe_dir / f"{name}-probe.json"
+        R["probe"] = json.loads(probe.read_text()) if probe.exists() else None
+    return [R for R, _, _ in jobs]
 
 
 def specforge_batch(rows: list[tuple[int, str, int]]) -> tuple[int, int]:
@@ -423,11 +436,11 @@ def eval_prompts(tok) -> dict[str, list[list[int]]]:
     return {"humaneval": humaneval, "heldout": heldout}
 
 
-def decode(prompts: list[list[int]], concurrency: int = EVAL_CONCURRENCY) -> dict:
+def decode(prompts: list[list[int]], concurrency: int = EVAL_CONCURRENCY, port: int = 0) -> dict:
     """Greedy decoding of every prompt, ``concurrency`` in flight: SGLang's accept length (completion tokens over
     verify steps), the acceptance per draft position (from its per-request histogram of drafts accepted per verify
     step), and the output tokens/s the client sees."""
-    client = httpx.Client(base_url=f"http://127.0.0.1:{P.SGL_PORT}", timeout=600,
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port or P.SGL_PORT}", timeout=600,
                           limits=httpx.Limits(max_connections=concurrency + 4))  # fmt: skip
 
     def one(ids: list[int]) -> dict:
@@ -461,21 +474,26 @@ def decode(prompts: list[list[int]], concurrency: int = EVAL_CONCURRENCY) -> dic
     }
 
 
-def evaluate(key: str, ddir: str | None, chain: tuple | None, prompts: dict, base_texts: dict) -> dict:
-    """One server (the target alone when ``chain`` is None, else with the drafter at that chain) over every prompt
-    set; a failure is recorded in place of the figures. The target alone decodes HumanEval a second time at
-    another concurrency: the same greedy decoding in other batches, the yardstick for the drafters' agreement."""
+def evaluate(
+    key: str, ddir: str | None, chain: tuple | None, prompts: dict, base_texts: dict, port: int = 0, mem: float = 0
+) -> dict:
+    """One server on ``port`` (the target alone when ``chain`` is None, else with the drafter at that chain) over
+    every prompt set; a failure is recorded in place of the figures. The target alone decodes HumanEval a second
+    time at another concurrency: the same greedy decoding in other batches, the yardstick for the drafters'
+    agreement. ``mem``: the server's --mem-fraction-static when several share the GPU (0: EVAL_EXTRA's)."""
     extra = list(EVAL_EXTRA)
+    if mem:
+        extra[extra.index("--mem-fraction-static") + 1] = str(mem)
     if chain is not None:
         extra += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", ddir,
                   "--speculative-num-steps", str(chain[0]), "--speculative-eagle-topk", str(chain[1]),
                   "--speculative-num-draft-tokens", str(chain[2])]  # fmt: skip
+    name = f"h2h-eval-{key.replace(' ', '').replace(',', '-')}"
     try:
-        startup = P.sglang(f"h2h-eval-{key.replace(' ', '').replace(',', '-')}", SMOL, plugin=False, extra=extra,
-                           timeout=300)  # fmt: skip
+        startup = P.sglang(name, SMOL, plugin=False, extra=extra, timeout=300, port=port)
         res = {"server_startup_s": round(startup, 1)}
         for pset, ids in prompts.items():
-            out = decode(ids)
+            out = decode(ids, port=port)
             texts = out.pop("texts")
             if chain is None:
                 base_texts[pset] = texts
@@ -484,7 +502,7 @@ def evaluate(key: str, ddir: str | None, chain: tuple | None, prompts: dict, bas
             res[pset] = out
             P.log(f"h2h-eval {key} {pset}: {out}")
         if chain is None and "humaneval" in prompts:
-            again = decode(prompts["humaneval"], REPEAT_CONCURRENCY)
+            again = decode(prompts["humaneval"], REPEAT_CONCURRENCY, port)
             texts = again.pop("texts")
             again["same_text_as_target_alone"] = h2hreport.agreement(texts, base_texts["humaneval"])
             res["humaneval_repeat"] = again
@@ -493,7 +511,7 @@ def evaluate(key: str, ddir: str | None, chain: tuple | None, prompts: dict, bas
     except Exception as e:  # one configuration failing leaves the others to run
         return {s: {"error": f"{type(e).__name__}: {str(e)[-1500:]}"} for s in prompts}
     finally:
-        P.stop_all()
+        P.stop(name)
 
 
 def drafter_dirs() -> dict[str, str | None]:
@@ -539,6 +557,7 @@ def phase_eval() -> None:
              concurrency=EVAL_CONCURRENCY, repeat_concurrency=REPEAT_CONCURRENCY,
              server_flags=" ".join(EVAL_EXTRA + P.SGL_BASE))  # fmt: skip
     drafters = {d: p for d, p in drafter_dirs().items() if d in EVAL_DRAFTERS}
+    P.stop_all()  # the GPU to the evaluation servers alone
     runs = [("baseline", None, None)] + [(d, drafters[d], c) for d in drafters for c in CHAINS]
     base_texts = {}
     for name, ddir, chain in runs:
@@ -558,13 +577,26 @@ def phase_eval() -> None:
 
 
 def ablations() -> dict[str, str]:
-    """H2H_ABLATIONS: ``name=trainer flags`` separated by ``;`` (``fp8``: the default recipe on the conversations
-    extracted again with fp8 storage). Each is one change from eaglet's default recipe."""
-    spec = os.environ.get("H2H_ABLATIONS", "lk=--loss lk-lambda;normfc=--norm-before-fc;noise=--aux-noise 0.05;fp8=")
+    """H2H_ABLATIONS: ``name=trainer flags`` separated by ``;`` (``base``: the default recipe, trained beside the
+    others; ``fp8``: the default recipe on the conversations extracted again with fp8 storage). Each is one change
+    from eaglet's default recipe but ``combo``, the promising ones together."""
+    spec = os.environ.get("H2H_ABLATIONS", DEFAULT_ABLATIONS)
     return {n.strip(): f.strip() for n, _, f in (item.partition("=") for item in spec.split(";") if item.strip())}
 
 
+DEFAULT_ABLATIONS = (
+    "base=;lk=--loss lk-lambda;normfc=--norm-before-fc;noise=--aux-noise 0.05;lr3=--lr 3e-4;fp8=;"
+    "combo=--lr 3e-4 --loss lk-lambda --aux-noise 0.05"
+)
 ABLATED = "h2h-ablations"  # one record for every recipe, kept apart from the phases' own (never reset)
+# The recipes train together on the one GPU (a 135M target's drafter leaves it mostly idle), checkpointing every
+# ABLATE_CHECKPOINT_EVERY steps: one cut off by the call's end resumes there in the next call.
+ABLATE_PARALLEL = int(os.environ.get("H2H_ABLATE_PARALLEL", "8"))
+ABLATE_CHECKPOINT_EVERY = int(os.environ.get("H2H_ABLATE_CHECKPOINT_EVERY", "200"))
+# Evaluation servers at once, each with this --mem-fraction-static: SGLang sizes its pool from the memory free at
+# its start, so each takes at most a tenth of the GPU (the 135M target's KV for 64 requests is under 1 GB)
+EVAL_PARALLEL = int(os.environ.get("H2H_EVAL_PARALLEL", "7"))
+EVAL_PARALLEL_MEM = 0.1
 
 
 def phase_extract_fp8() -> None:
@@ -583,11 +615,15 @@ def phase_extract_fp8() -> None:
 
 
 def phase_ablate_train() -> None:
-    """Each recipe not trained yet, while the call's time lasts: eaglet's trainer, the default recipe with one
-    change, on the same stored run (its own folder; the run's drafter untouched)."""
+    """Every recipe not trained yet, together on the GPU (up to ABLATE_PARALLEL): eaglet's trainer, the default
+    recipe with one change, on the same stored run, each into its own folder (the run's drafter untouched). A recipe
+    cut off by the call's end keeps its checkpoints and resumes from them in the next call; its wall time is the
+    sum over calls, spent beside the others (``trained_beside``)."""
     A = P.RESULTS.setdefault(ABLATED, {})
+    P.stop(SERVER)  # the GPU to the trainers
+    jobs = []
     for name, flags in ablations().items():
-        rec = A.setdefault(name, {"flags": flags or "(default recipe, fp8 store)"})
+        rec = A.setdefault(name, {"flags": flags or "(default recipe)"})
         if rec.get("train", {}).get("rc") == 0:
             continue
         fp8 = name == "fp8"
@@ -595,16 +631,22 @@ def phase_ablate_train() -> None:
         if fp8 and not P.RESULTS.get("h2h-extract-fp8", {}).get("done"):
             rec["train"] = {"error": "no fp8 extraction (phase h2h-extract-fp8)"}
             continue
-        estimate = estimate_eaglet() * (2 if "tokens-per-batch" in flags else 1)
-        if time_left() < estimate:
-            rec["train"] = {"error": f"not run: {estimate:.0f}s needed, {time_left():.0f}s left in this call"}
-            continue
         out = H2H / "recipes" / name
         argv = [sys.executable, "bench/gpu/ablate.py", "--run", run_id, "--out", str(out), "--model", str(SMOL),
-                "--epochs", str(EPOCHS), "--checkpoint-every", "1000000", *flags.split()]  # fmt: skip
-        rec["train"] = run_trainer({}, f"h2h-recipe-{name}", argv, P.PY_EAGLET, P.eaglet_env(SMOL, P.SGL_PORT),
-                                   TRAIN_TIMEOUT, H2H)  # fmt: skip
+                "--epochs", str(EPOCHS), "--checkpoint-every", str(ABLATE_CHECKPOINT_EVERY),
+                *flags.split()]  # fmt: skip
         rec["drafter_dir"] = str(out / "drafter")
+        jobs.append((rec, name, argv))
+    jobs = jobs[:ABLATE_PARALLEL]
+    if jobs and time_left() > 60:
+        P.log(f"h2h-ablate-train: {', '.join(n for _, n, _ in jobs)} together, {time_left():.0f}s left")
+        records = [(rec, {}, f"h2h-recipe-{n}", argv) for rec, n, argv in jobs]
+        run_trainers([(R, n, argv) for _, R, n, argv in records], P.PY_EAGLET, P.eaglet_env(SMOL, P.SGL_PORT),
+                     TRAIN_TIMEOUT, H2H)  # fmt: skip
+        for rec, R, _, _ in records:
+            R["trained_beside"] = len(jobs) - 1
+            R["wall_s"] = round(R["wall_s"] + rec.get("train", {}).get("wall_s", 0), 1)  # the calls' sum
+            rec["train"] = R
         P.save(ABLATED)
     P.RESULTS.setdefault("h2h-ablate-train", {})["done"] = all(
         A.get(n, {}).get("train", {}).get("rc") == 0 for n in ablations()
@@ -612,23 +654,45 @@ def phase_ablate_train() -> None:
 
 
 def phase_ablate_eval() -> None:
-    """Each trained recipe not evaluated yet: eaglet's scorer on the held-out samples, then SGLang at the first
-    chain on both prompt sets (accept length is the same from call to call: h2h-eval measured it twice)."""
+    """Each trained recipe not evaluated yet: eaglet's scorer on the held-out samples (all recipes in one process),
+    beside SGLang at the first chain on both prompt sets, EVAL_PARALLEL servers at once on ports of their own
+    (accept length does not depend on what shares the GPU: h2h-eval measured it twice, in other batches)."""
     A = P.RESULTS.setdefault(ABLATED, {})
+    ready = {
+        n: r for n, r in A.items() if not evaluated(r) and Path(r.get("drafter_dir") or "-", "config.json").exists()
+    }
+    if not ready:
+        P.RESULTS.setdefault("h2h-ablate-eval", {})["done"] = bool(A) and all(evaluated(r) for r in A.values())
+        return
+    P.stop_all()  # the GPU to the evaluation servers
     prompts = eval_prompts(tokenizer())
-    for name, rec in A.items():
-        ddir = rec.get("drafter_dir")
-        if evaluated(rec):
-            continue
-        if not (ddir and Path(ddir, "config.json").exists()):
-            continue
-        if time_left() < 120:
-            break
-        scored = score("h2h-recipe-score", {name: ddir}, H2H / f"h2h-recipe-{name}-score.json")
-        rec["score"] = scored["drafters"].get(name) or {"error": f"no score: {scored['log_tail'][-300:]}"}
-        rec["eval"] = evaluate(f"recipe {name}", ddir, CHAINS[0], prompts, {})
-        P.save(ABLATED)
-    P.RESULTS.setdefault("h2h-ablate-eval", {})["done"] = bool(A) and all(evaluated(r) for r in A.values())
+    ports = list(range(P.SGL_PORT + 10, P.SGL_PORT + 10 + EVAL_PARALLEL))
+    lock = threading.Lock()
+
+    def one(name: str) -> None:
+        with lock:
+            port = ports.pop()
+        try:
+            if time_left() < 130:  # a server start and two prompt sets
+                A[name]["eval"] = {s: {"error": "not run: out of this call's time"} for s in prompts}
+            else:
+                A[name]["eval"] = evaluate(f"recipe {name}", A[name]["drafter_dir"], CHAINS[0], prompts, {}, port,
+                                           EVAL_PARALLEL_MEM)  # fmt: skip
+        finally:
+            with lock:
+                ports.append(port)
+                P.save(ABLATED)
+
+    unscored = {n: r["drafter_dir"] for n, r in ready.items() if not (r.get("score") or {}).get("heldout_acc")}
+    with ThreadPoolExecutor(EVAL_PARALLEL + 1) as ex:
+        scored = ex.submit(score, "h2h-recipe-score", unscored, H2H / "h2h-recipes-score.json") if unscored else None
+        list(ex.map(one, ready))
+        if scored is not None:
+            figures = scored.result()
+            for n in unscored:
+                A[n]["score"] = figures["drafters"].get(n) or {"error": f"no score: {figures['log_tail'][-300:]}"}
+    P.save(ABLATED)
+    P.RESULTS.setdefault("h2h-ablate-eval", {})["done"] = all(evaluated(r) for r in A.values())
 
 
 def evaluated(recipe: dict) -> bool:
@@ -704,8 +768,8 @@ ESTIMATE_S = {
     "h2h-score": 60,
     "h2h-eval": 450,  # three server starts of ~55 s, five prompt-set decodes of ~45 s, the repeat
     "h2h-extract-fp8": lambda: 70 + conversations() * 0.01,
-    "h2h-ablate-train": estimate_eaglet,  # at least one recipe; the phase takes as many as the call has time for
-    "h2h-ablate-eval": 130,
+    "h2h-ablate-train": 90,  # the recipes resume from their checkpoints: any minute of training is kept
+    "h2h-ablate-eval": 150,
     "h2h-gate": 1,
     "h2h-report": 5,
 }

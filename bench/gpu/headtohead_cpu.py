@@ -60,7 +60,10 @@ def data() -> None:
 
 
 def reference_server() -> None:
-    """eaglet's reference server where the plugin server would be: headtohead's extraction uses it as it is."""
+    """eaglet's reference server where the plugin server would be: headtohead's extraction phases start it (and
+    stop it) as they would the plugin server."""
+    if H.SERVER in P.PROCS:
+        return
     P.redis_up()
     env = {"EAGLET_MODEL": str(H.SMOL), "EAGLET_DUMP_DIR": str(P.DUMPS), "EAGLET_DEVICE": "cpu",
            "EAGLET_HOST": "127.0.0.1"}  # fmt: skip
@@ -74,11 +77,9 @@ if __name__ == "__main__":
     if state.exists():
         P.RESULTS.update(json.loads(state.read_text()))
     prepare()
-    if not P.RESULTS.get("h2h-data", {}).get("done") or any(
-        phase in sys.argv and not P.RESULTS.get(phase, {}).get("done") for phase in ("h2h-extract", "h2h-extract-fp8")
-    ):
-        reference_server()
+    H.plugin_server = reference_server
     if not P.RESULTS.get("h2h-data", {}).get("done"):
+        reference_server()
         data()
     state.write_text(json.dumps(P.RESULTS, default=str))
     P.PHASES.update(H.PHASES)

@@ -138,8 +138,10 @@ def redis_up() -> None:
     ensure(REDIS)
 
 
-def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: float = 420) -> float:
-    """Starts SGLang: with the plugin through eaglet's launch command, without it as plain launch_server."""
+def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: float = 420, port: int = 0) -> float:
+    """Starts SGLang on ``port`` (0: SGL_PORT): with the plugin through eaglet's launch command, without it as plain
+    launch_server."""
+    port = port or SGL_PORT
     if plugin:
         argv = (
             [
@@ -153,7 +155,7 @@ def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: f
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(SGL_PORT),
+                str(port),
             ]
             + extra
             + SGL_BASE
@@ -171,7 +173,7 @@ def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: f
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(SGL_PORT),
+                str(port),
                 "--disable-radix-cache",
             ]
             + extra
@@ -180,7 +182,7 @@ def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: f
         env, pp = {}, PY_SGL_PLAIN
     log(f"{name}: {' '.join(argv[1:])}")
     start(name, argv, pp, env)
-    up = wait_health(name, SGL_PORT, timeout)
+    up = wait_health(name, port, timeout)
     log(f"{name}: healthy after {up:.0f}s")
     return up
 

@@ -181,7 +181,8 @@ def test_report_shows_each_evaluation_call_side_by_side(tmp_path):
 
 def test_report_lists_each_recipe_beside_the_default_with_its_ratio_to_specforge(tmp_path):
     _write_phases(tmp_path)
-    recipe = {"flags": "--aux-noise 0.05", "train": {"wall_s": 180.0, "probe": {"final": {"step": "1666"}}},
+    recipe = {"flags": "--aux-noise 0.05",
+              "train": {"wall_s": 180.0, "trained_beside": 6, "probe": {"final": {"step": "1666"}}},
               "score": {"heldout_acc": [0.41, 0.35]},
               "eval": {"humaneval": {"accept_length": 2.2, "accept_rate_per_position": [0.5, 0.2]}}}  # fmt: skip
     (tmp_path / "h2h-ablations.json").write_text(json.dumps({"noise": recipe, "lr": {"train": {"error": "boom"}}}))
@@ -196,5 +197,5 @@ def test_report_lists_each_recipe_beside_the_default_with_its_ratio_to_specforge
     }
     assert s["recipes"][0]["humaneval"]["ratio_to_specforge"] == 1.05 and noise["steps"] == 1666
     md = (tmp_path / "results" / "gpu-headtohead.md").read_text()
-    assert "| noise | --aux-noise 0.05 | 2.200 (1.100) | 0.41 / 0.35 | 1,666 | 180.0 |" in md
+    assert "| noise | --aux-noise 0.05 | 2.200 (1.100) | 0.41 / 0.35 | 1,666 | 180.0 (6) |" in md
     assert "| lr (boom) |" in md
