@@ -153,7 +153,8 @@ def recipes(results: dict, rows: list[dict]) -> list[dict]:
     default = {"name": "default", "flags": "", "train": {"wall_s": eaglet.get("wall_s"), "probe": eaglet.get("probe")},
                "score": results.get("h2h-score", {}).get("drafters", {}).get("eaglet"), "eval": ev}  # fmt: skip
     out = []
-    for r in [default, *({"name": n, **rec} for n, rec in results[ABLATED].items())]:
+    ran = [default] if eaglet else []  # the head-to-head's own default drafter, where this run trained one
+    for r in [*ran, *({"name": n, **rec} for n, rec in results[ABLATED].items())]:
         e, t, final = r.get("eval") or {}, r.get("train") or {}, ((r.get("train") or {}).get("probe") or {})
         row = {"name": r["name"], "flags": r.get("flags"), "wall_s": t.get("wall_s"), "error": t.get("error"),
                "trained_beside": t.get("trained_beside"),
@@ -234,8 +235,8 @@ def markdown(s: dict) -> str:
                   f"at {fmt(rep['same_text'].get('first_difference_share_median'))} of the text)."]  # fmt: skip
     if s["recipes"]:
         sets = [k for k in s["recipes"][0] if isinstance(s["recipes"][0][k], dict)]
-        lines += ["", "eaglet's recipes, one change each from the default, same data and SGLang build (accept length "
-                  "at the first chain, its ratio to SpecForge's):", "",
+        lines += ["", "eaglet's recipes (each one change from the default but `combo`), same data and SGLang build "
+                  "(accept length at the first chain, its ratio to SpecForge's):", "",
                   "| recipe | flags | " + "".join(f"{p} accept length (÷ SpecForge) | " for p in sets)
                   + "held-out accuracy per position | steps | wall s (recipes trained beside it) |",
                   "|---|---|" + "---|" * len(sets) + "---|---|---|"]  # fmt: skip

@@ -74,3 +74,25 @@ def test_another_drafter_from_the_same_extraction_goes_to_its_own_folder(redis, 
     assert [r["step"] for r in rows] == [1, 2, 3] == [final["step"] - 2, 2, 3]  # fresh: the run's step 2 not resumed
     assert (variant / "drafter" / "model.safetensors").is_file() and list((variant / "checkpoints").glob("*.pt"))
     assert (drafter_dir(tmp_path, "vr") / "model.safetensors").read_bytes() == own
+
+
+def test_muon_trains_the_matrices_and_adamw_the_rest_and_resumes(redis, tmp_path, tiny_model_dir):
+    make_run(redis, tmp_path, tiny_model_dir, "mu", n=12)
+    cfg = small(max_steps=4, optimizer="muon", checkpoint_every=2, log_every=1)
+    train(redis=None, run_id="mu", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=cfg, env=Dist(),
+          out_dir=tmp_path / "muon")  # fmt: skip
+    saved = torch.load(sorted((tmp_path / "muon" / "checkpoints").glob("*.pt"))[-1], weights_only=False)
+    muon, adamw = saved["optimizer"]["muon"], saved["optimizer"]["adamw"]
+    assert muon["state"] and adamw["state"]  # both stepped
+    assert all(s["momentum_buffer"].ndim == 2 for s in muon["state"].values())
+    assert {s["exp_avg"].ndim for s in adamw["state"].values()} == {1, 2}  # the norms and the LM head
+    # the schedule reaches the Muon groups too: the last step's learning rate is the cosine's end, in both
+    assert {g["lr"] for g in muon["param_groups"] + adamw["param_groups"]} == {saved["scheduler"]["_last_lr"][0]}
+    rows = [json.loads(x) for x in (tmp_path / "muon" / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    # resumed with AdamW from a Muon checkpoint: refused, saying which it was
+    with pytest.raises(ValueError, match="another --optimizer"):
+        train(redis=None, run_id="mu", data_dir=tmp_path, target_dir=tiny_model_dir,
+              cfg=small(max_steps=6, checkpoint_every=2), env=Dist(), out_dir=tmp_path / "muon")  # fmt: skip
+    with pytest.raises(ValueError, match="optimizer"):
+        TrainConfig(optimizer="sgd")

@@ -41,6 +41,7 @@ from eaglet.services.trainer import checkpoint as ckpt
 from eaglet.services.trainer import data
 from eaglet.services.trainer.curves import Curves, curves_dir
 from eaglet.services.trainer.model import Drafter, DrafterConfig, drafter_config
+from eaglet.services.trainer.optimizer import Optimizer, build_optimizer
 from eaglet.services.trainer.vocab import build_vocab, count_tokens
 from eaglet.shared.keys import RunKeys
 from eaglet.shared.records import RunMeta, TrainProgress
@@ -95,13 +96,16 @@ class TrainConfig:
     max_len: int = 8192
     """Longer samples are cut to this many tokens."""
     lr: float = 1e-4
-    """Peak learning rate (AdamW), reached after the warmup, then cosine decay."""
+    """Peak learning rate, reached after the warmup, then cosine decay."""
+    optimizer: Optimizer = "adamw"
+    """adamw | muon: Muon for the drafter's matrices (fc, its layer's projections), AdamW for the LM head and the
+    norms, the Muon update scaled to AdamW's RMS so the same learning rate serves (vLLM speculators' default)."""
     min_lr_ratio: float = 0.0
     """The cosine decay ends at lr * min_lr_ratio."""
     warmup_ratio: float = 0.015
     """Share of the steps over which the learning rate rises linearly to lr."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """Decoupled weight decay (both optimizers)."""
     grad_clip: float = 0.5
     """Gradients are clipped to this global norm."""
     checkpoint_every: int = 500
@@ -161,7 +165,12 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.loader_workers must be 0 (read in the loop) or more, got {self.loader_workers}"
             )
-        for name, choices in (("attention", Attention), ("oov_mask", OovMask), ("loss", Loss)):
+        for name, choices in (
+            ("attention", Attention),
+            ("oov_mask", OovMask),
+            ("loss", Loss),
+            ("optimizer", Optimizer),
+        ):
             if getattr(self, name) not in get_args(choices):
                 raise ValueError(
                     f"TrainConfig.{name} must be one of {', '.join(get_args(choices))}, got {getattr(self, name)!r}"
@@ -498,7 +507,7 @@ def start(
     if per_epoch == 0:
         raise RuntimeError(f"run {run_id}: {len(train_items)} samples make no batch for {env.world} processes")
     total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
-    opt = torch.optim.AdamW(objective.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    opt = build_optimizer(cfg.optimizer, objective.drafter, cfg.lr, cfg.weight_decay)
     warmup = max(1, int(cfg.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, cfg.min_lr_ratio))
     s = Session(
@@ -568,6 +577,10 @@ def epoch_batches(items: list[data.Item], cfg: TrainConfig, env: Dist, epoch: in
 
 
 def resume(s: Session, saved: dict) -> None:
+    was = saved.get("train_config", {}).get("optimizer", "adamw")
+    if was != s.cfg.optimizer:
+        raise ValueError(f"run {s.run_id}: its checkpoint was trained with --optimizer {was}, resumed with another "
+                         f"--optimizer ({s.cfg.optimizer}): resume with {was}, or train into a new folder")  # fmt: skip
     s.objective.drafter.load_state_dict(saved["model"])
     s.opt.load_state_dict(saved["optimizer"])
     s.sched.load_state_dict(saved["scheduler"])
