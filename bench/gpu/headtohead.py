@@ -28,6 +28,7 @@ import gzip
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -267,9 +268,42 @@ def phase_extract() -> None:
     run_id = f"h2h-{int(time.time())}"
     R["run_id"] = run_id
     timeout = min(float(os.environ.get("H2H_EXTRACT_TIMEOUT", "420")), time_left(40))
-    R.update(P.pipeline(run_id, SMOL, H2H / "train.jsonl", P.SGL_PORT, WORKERS, 2048, timeout=timeout))
+    with StatusCapture(P.OUT / "h2h-status.txt"):
+        R.update(P.pipeline(run_id, SMOL, H2H / "train.jsonl", P.SGL_PORT, WORKERS, 2048, timeout=timeout))
     P.stop(SERVER)
     R["done"] = bool(R.get("complete"))
+
+
+class StatusCapture(P.Sampler):
+    """The operator's view of a real run on the GPU machine: ``eaglet status --brief`` every 10 s and the whole
+    ``eaglet status`` every fourth time, appended to ``path``. SGLang runs here without eaglet's inference
+    supervisor, so this publishes the server's GPUs as the supervisor does (``eaglet.shared.gpustats``), for the
+    status to show them."""
+
+    interval_s = 10.0
+
+    def __init__(self, path: Path):
+        self.path, self.n = path, 0
+
+    def sample(self) -> None:
+        from redis import Redis
+
+        from eaglet.shared import gpustats
+        from eaglet.shared.records import GpuRole
+
+        env = {**os.environ, **P.eaglet_env(SMOL, P.SGL_PORT), "PYTHONPATH": P.PY_EAGLET}
+        args = ["status"] + ([] if self.n % 4 == 3 else ["--brief"])
+        try:
+            gpustats.publish(Redis.from_url(P.REDIS_URL), gpustats.GpuReader(env), role=GpuRole.inference,
+                             host=socket.gethostname())  # fmt: skip
+            out = subprocess.run([sys.executable, "-m", "eaglet.cli.main", *args], env=env, capture_output=True,
+                                 text=True, timeout=30)  # fmt: skip
+            text = out.stdout + (f"(exit {out.returncode}) {out.stderr[-800:]}" if out.returncode else "")
+        except Exception as e:  # the capture never stops the run it watches
+            text = f"capture failed: {type(e).__name__}: {e}"
+        with open(self.path, "a") as f:
+            f.write(f"--- {time.strftime('%H:%M:%S')} eaglet {' '.join(args)}\n{text}\n")
+        self.n += 1
 
 
 class GpuMemory(P.Sampler):
@@ -641,8 +675,9 @@ def phase_ablate_train() -> None:
     if jobs and time_left() > 60:
         P.log(f"h2h-ablate-train: {', '.join(n for _, n, _ in jobs)} together, {time_left():.0f}s left")
         records = [(rec, {}, f"h2h-recipe-{n}", argv) for rec, n, argv in jobs]
-        run_trainers([(R, n, argv) for _, R, n, argv in records], P.PY_EAGLET, P.eaglet_env(SMOL, P.SGL_PORT),
-                     TRAIN_TIMEOUT, H2H)  # fmt: skip
+        threads = str(max(1, (os.cpu_count() or 16) // len(jobs)))  # the machine's cores shared, not each one's
+        run_trainers([(R, n, argv) for _, R, n, argv in records], P.PY_EAGLET,
+                     {**P.eaglet_env(SMOL, P.SGL_PORT), "OMP_NUM_THREADS": threads}, TRAIN_TIMEOUT, H2H)  # fmt: skip
         for rec, R, _, _ in records:
             R["trained_beside"] = len(jobs) - 1
             R["wall_s"] = round(R["wall_s"] + rec.get("train", {}).get("wall_s", 0), 1)  # the calls' sum
