@@ -92,23 +92,27 @@ def done(phase: str) -> bool:
     return False
 
 
-def plugin_server() -> None:
-    """SGLang with eaglet's plugin (eaglet's launch command), kept up from h2h-data through h2h-extract; CUDA
-    graphs on for generation speed, off again if the server does not come up with them."""
+def plugin_server(graphs: bool = True) -> None:
+    """SGLang with eaglet's plugin (eaglet's launch command), kept up from h2h-data through the extractions (the
+    trainers' and evaluations' phases stop it). CUDA graphs on for generation speed (``graphs``), off again if the
+    server does not come up with them; off for extraction alone (prefill only: they would cost the start a minute
+    and serve no request)."""
     if SERVER in P.PROCS:
         return
     P.redis_up()
     P.DUMPS.mkdir(parents=True, exist_ok=True)
     R = P.RESULTS.setdefault("h2h-data", {})
-    try:
-        R["server_startup_s"] = P.sglang(SERVER, SMOL, plugin=True, extra=GEN_EXTRA)
-        R["server_flags"] = " ".join(GEN_EXTRA + P.SGL_BASE)
-    except RuntimeError as e:
-        P.stop(SERVER)
-        R["cuda_graph_error"] = str(e)[-1500:]
-        extra = GEN_EXTRA[:2] + ["--chunked-prefill-size", "8192", "--disable-cuda-graph"]
-        R["server_startup_s"] = P.sglang(SERVER, SMOL, plugin=True, extra=extra)
-        R["server_flags"] = " ".join(extra + P.SGL_BASE)
+    plain = GEN_EXTRA[:2] + ["--chunked-prefill-size", "8192", "--disable-cuda-graph"]
+    if graphs:
+        try:
+            R["server_startup_s"] = P.sglang(SERVER, SMOL, plugin=True, extra=GEN_EXTRA)
+            R["server_flags"] = " ".join(GEN_EXTRA + P.SGL_BASE)
+            return
+        except RuntimeError as e:
+            P.stop(SERVER)
+            R["cuda_graph_error"] = str(e)[-1500:]
+    R["server_startup_s"] = P.sglang(SERVER, SMOL, plugin=True, extra=plain)
+    R["server_flags"] = " ".join(plain + P.SGL_BASE)
 
 
 HTTP_ERRORS: list[str] = []  # requests the server refused while writing the data: counted, the first kept
@@ -263,14 +267,13 @@ def phase_extract() -> None:
     if done("h2h-extract"):
         return
     ensure_model()
-    plugin_server()
+    plugin_server(graphs=False)
     R = P.RESULTS.setdefault("h2h-extract", {})
     run_id = f"h2h-{int(time.time())}"
     R["run_id"] = run_id
     timeout = min(float(os.environ.get("H2H_EXTRACT_TIMEOUT", "420")), time_left(40))
     with StatusCapture(P.OUT / "h2h-status.txt"):
         R.update(P.pipeline(run_id, SMOL, H2H / "train.jsonl", P.SGL_PORT, WORKERS, 2048, timeout=timeout))
-    P.stop(SERVER)
     R["done"] = bool(R.get("complete"))
 
 
@@ -405,6 +408,7 @@ def estimate_specforge() -> float:
 def phase_eaglet() -> None:
     if done("h2h-eaglet"):
         return
+    P.stop(SERVER)  # the GPU to the trainer alone
     rows = training_rows()
     run_id = P.RESULTS["h2h-extract"]["run_id"]
     argv = [sys.executable, "bench/gpu/train_probe.py", "--run", run_id, "--epochs", str(EPOCHS),
@@ -427,6 +431,7 @@ def phase_specforge() -> None:
 
     from eaglet.shared.store import sample_path
 
+    P.stop(SERVER)  # the GPU to the trainer alone
     R = P.RESULTS.setdefault("h2h-specforge", {})
     run_id = P.RESULTS["h2h-extract"]["run_id"]
     rows = training_rows()
@@ -639,12 +644,11 @@ def phase_extract_fp8() -> None:
     if done("h2h-extract-fp8"):
         return
     ensure_model()
-    plugin_server()
+    plugin_server(graphs=False)
     R = P.RESULTS.setdefault("h2h-extract-fp8", {})
     R["run_id"] = f"h2h-fp8-{int(time.time())}"
     R.update(P.pipeline(R["run_id"], SMOL, H2H / "train.jsonl", P.SGL_PORT, WORKERS, 2048,
                         timeout=time_left(40), store="fp8"))  # fmt: skip
-    P.stop(SERVER)
     R["done"] = bool(R.get("complete"))
 
 
