@@ -28,6 +28,7 @@ import gzip
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -359,6 +360,9 @@ def run_trainers(
         while len(ended) < len(jobs) and time.time() - t < timeout:
             ended |= {n: time.time() for _, n, _ in jobs if n not in ended and P.PROCS[n].poll() is not None}
             time.sleep(0.5)
+        for _, name, _ in jobs:  # those cut off, all at once (each stop below then waits for its own)
+            if name not in ended and P.PROCS[name].poll() is None:
+                os.killpg(P.PROCS[name].pid, signal.SIGTERM)
     for R, name, _ in jobs:
         R["rc"] = P.PROCS[name].poll()
         if name not in ended:
