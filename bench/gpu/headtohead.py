@@ -479,7 +479,9 @@ def eval_prompts(tok) -> dict[str, list[list[int]]]:
     return {"humaneval": humaneval, "heldout": heldout}
 
 
-def decode(prompts: list[list[int]], concurrency: int = EVAL_CONCURRENCY, port: int = 0) -> dict:
+def decode(
+    prompts: list[list[int]], concurrency: int = EVAL_CONCURRENCY, port: int = 0, max_new_tokens: int = EVAL_TOKENS
+) -> dict:
     """Greedy decoding of every prompt, ``concurrency`` in flight: SGLang's accept length (completion tokens over
     verify steps), the acceptance per draft position (from its per-request histogram of drafts accepted per verify
     step), and the output tokens/s the client sees."""
@@ -487,7 +489,7 @@ def decode(prompts: list[list[int]], concurrency: int = EVAL_CONCURRENCY, port: 
                           limits=httpx.Limits(max_connections=concurrency + 4))  # fmt: skip
 
     def one(ids: list[int]) -> dict:
-        sp = {"max_new_tokens": EVAL_TOKENS, "temperature": 0}
+        sp = {"max_new_tokens": max_new_tokens, "temperature": 0}
         r = client.post("/generate", json={"input_ids": ids, "sampling_params": sp})
         if r.status_code != 200:
             return {"error": r.text[:200]}

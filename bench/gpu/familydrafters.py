@@ -1,0 +1,186 @@
+"""Every family's drafter decodes in SGLang: on the GPU machine, after families.py extracted the TP 1 cases there.
+
+    python3 bench/gpu/familydrafters.py [CASE...]   (from the repo root; default: every TP 1 case of families.py)
+
+For each case with a stored run on this machine (families.py's state, ``families-results.json``):
+  1. eaglet's trainer on the case's 32 stored samples (bench/gpu/ablate.py: the default recipe, FAMDRAFT_STEPS
+     (300) optimizer steps), every case's trainer at once on the one GPU, each drafter into
+     ``<root>/fam-drafters/<case>/drafter``;
+  2. SGLang 0.5.17 (launch_server, no plugin) with the target alone: FAMDRAFT_PROMPTS (32) new random prompts,
+     greedy, FAMDRAFT_TOKENS (64) tokens each;
+  3. SGLang with the drafter (``--speculative-algorithm EAGLE3``, chain (3, 1, 4)) on the same prompts.
+A case passes when the server with the drafter comes up (SGLang loads it), every greedy output equals the target
+alone's, and the accept length is at least ACCEPT_FLOOR: a drafter that loads and accepts nothing (accept length
+1.0, no error: what a wrong layer, vocabulary map or norm gives) is a failure. The tiny random targets keep their
+residual stream close to the last layer's input, so a drafter fed the right states predicts them well above
+chance within the steps given. Both servers run without CUDA graphs (SGLang 0.5.17 captures EAGLE-3's graphs
+through deep_gemm, which the image lacks) and with the same flags otherwise, so greedy outputs compare.
+Results: $OUT/familydrafters.json and $OUT/familydrafters.md; a failure is recorded with the server's log tail and
+the run goes on. A case is skipped when FAMDRAFT_DEADLINE_S (default 540) would be passed.
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import families  # noqa: E402
+import h2hreport  # noqa: E402
+
+T0 = time.time()
+DEADLINE_S = float(os.environ.get("FAMDRAFT_DEADLINE_S", "540"))
+STEPS = int(os.environ.get("FAMDRAFT_STEPS", "300"))
+N_PROMPTS = int(os.environ.get("FAMDRAFT_PROMPTS", "32"))
+N_TOKENS = int(os.environ.get("FAMDRAFT_TOKENS", "64"))
+CHAIN = (3, 1, 4)
+ACCEPT_FLOOR = 1.1
+SERVER_FLAGS = ["--mem-fraction-static", "0.3", "--disable-cuda-graph", "--disable-radix-cache"]
+CASE_ESTIMATE_S = 110  # two server starts of ~40 s and two decodes
+
+
+def tp1_cases() -> list[str]:
+    return [c for c, spec in families.CASES.items() if spec["tp"] == 1]
+
+
+def verdict(target: dict, drafted: dict) -> tuple[str, list[str]]:
+    """``ok`` or ``failed`` and why, from the target alone's and the drafter's decodes (``decode``'s records)."""
+    why = []
+    for name, d in (("target alone", target), ("with the drafter", drafted)):
+        if d.get("error") or d.get("errors"):
+            why.append(f"{name}: {d.get('error') or d.get('first_error')}")
+    if why:
+        return "failed", why
+    same = drafted.get("same_text_as_target_alone") or {}
+    if same.get("same") != same.get("of"):
+        why.append(f"{same.get('same')} of {same.get('of')} greedy outputs equal the target alone's")
+    al = drafted.get("accept_length")
+    if al is None or al < ACCEPT_FLOOR:
+        why.append(f"accept length {al} < {ACCEPT_FLOOR}: the drafter is loaded but its drafts are not accepted")
+    return ("failed" if why else "ok"), why
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "# Every family's drafter in SGLang (one H200, tiny random targets)",
+        "",
+        f"Written by `bench/gpu/familydrafters.py`. Drafters: eaglet's trainer, {results.get('steps')} steps on each "
+        f"case's 32 stored samples. Decoding: SGLang 0.5.17, EAGLE3 at {CHAIN}, {results.get('prompts')} random "
+        f"prompts, {results.get('tokens')} tokens each, greedy; pass: loads, outputs equal the target alone's, "
+        f"accept length >= {ACCEPT_FLOOR}.",
+        "",
+        "| case | architecture | status | drafter acc per step (train) | accept length | per position | "
+        "same text | start s | why |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case, R in results["cases"].items():
+        d = R.get("drafted") or {}
+        acc = ((R.get("train") or {}).get("probe") or {}).get("final", {}).get("acc")
+        lines.append(
+            f"| {case} | {R.get('architecture', '')} | {R.get('status', R.get('skipped', ''))} | "
+            f"{h2hreport.rates(acc)} | {h2hreport.fmt(d.get('accept_length'), 3)} | "
+            f"{h2hreport.rates(d.get('accept_rate_per_position'))} | "
+            f"{h2hreport.agree(d.get('same_text_as_target_alone'))} | "
+            f"{h2hreport.fmt(R.get('drafter_server_startup_s'), 1)} | {'; '.join(R.get('why', []))[:200]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def decode_on(H, HH, name: str, model: Path, extra: list[str], prompts: list[list[int]]) -> dict:
+    """One SGLang server (``extra`` flags) over ``prompts``: its startup time and ``headtohead.decode``'s figures,
+    or the error and the server log's tail."""
+    try:
+        up = H.sglang(name, model, plugin=False, extra=SERVER_FLAGS + extra, timeout=300)
+        return {"server_startup_s": round(up, 1), **HH.decode(prompts, 16, max_new_tokens=N_TOKENS)}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[-1500:]}", "server_log_tail": H.tail(name, 40)}
+    finally:
+        H.stop(name)
+
+
+def main(argv: list[str]) -> int:
+    wanted = argv or tp1_cases()
+    unknown = [c for c in wanted if c not in tp1_cases()]
+    if unknown:
+        print(f"unknown or not TP 1 cases {unknown}: choose from {', '.join(tp1_cases())}", file=sys.stderr)
+        return 2
+    import headtohead as HH  # the trainers' runner and SGLang's decode figures
+    import phases as H
+
+    sys.path[:0] = [str(H.REPO), f"{H.S}/esite"]
+    out = Path(os.environ.get("OUT") or H.OUT)
+    out.mkdir(parents=True, exist_ok=True)
+    state = H.ROOT / "families-results.json"
+    extracted = json.loads(state.read_text()).get("cases", {}) if state.exists() else {}
+    results: dict = {"steps": STEPS, "prompts": N_PROMPTS, "tokens": N_TOKENS, "chain": str(CHAIN), "cases": {}}
+    H.redis_up()
+    prompts_file = H.ROOT / "familydrafters-prompts.jsonl"
+    H.pretokenized(prompts_file, [24 + 8 * (i % 8) for i in range(N_PROMPTS)], families.familymodels.DEFAULT_VOCAB - 1,
+                   seed=23)  # fmt: skip
+    prompts = [json.loads(x)["input_ids"] for x in prompts_file.read_text().splitlines()]
+
+    jobs = []
+    for case in wanted:
+        R = results["cases"].setdefault(case, {"architecture": families.familymodels.ARCHITECTURES[
+            families.CASES[case]["family"]]})  # fmt: skip
+        ex = extracted.get(case, {})
+        if ex.get("status") != "ok" or not ex.get("run_id"):
+            R["skipped"] = f"skipped: no extraction of {case} on this machine (run families.py {case} first)"
+            continue
+        model = families.ensure_model(H, families.CASES[case]["family"])
+        folder = H.ROOT / "fam-drafters" / case
+        R.update(run_id=ex["run_id"], model_dir=str(model), drafter_dir=str(folder / "drafter"))
+        trainer = [sys.executable, "bench/gpu/ablate.py", "--run", ex["run_id"], "--out", str(folder), "--model",
+                   str(model), "--max-steps", str(STEPS), "--checkpoint-every", "1000000"]  # fmt: skip
+        R["train"] = {}
+        jobs.append((R["train"], f"famdraft-train-{case}", trainer))
+    if jobs:
+        H.log(f"familydrafters: training {len(jobs)} drafters together")
+        env = {"EAGLET_DATA_DIR": str(H.DATA), "OMP_NUM_THREADS": "2"}  # the trainers read the store, not Redis
+        HH.run_trainers(jobs, H.PY_EAGLET, env, DEADLINE_S - (time.time() - T0) - 60, out)
+
+    rc = 0
+    for case, R in results["cases"].items():
+        if "skipped" in R:
+            continue
+        if R["train"].get("rc") != 0:
+            R["status"], R["why"] = "failed", [f"trainer: {R['train'].get('error')}"]
+            rc = 1
+            continue
+        if DEADLINE_S - (time.time() - T0) < CASE_ESTIMATE_S:
+            R["skipped"] = f"skipped: {time.time() - T0:.0f}s gone of {DEADLINE_S:.0f}s"
+            continue
+        H.log(f"=== {case}")
+        try:
+            model = Path(R["model_dir"])
+            # the Kimi wrapper's stand-in processor is remote code, as the real checkpoint's is
+            common = ["--trust-remote-code"] if families.CASES[case]["family"] == "kimi" else []
+            R["target"] = decode_on(H, HH, f"famdraft-{case}-alone", model, common, prompts)
+            spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", R["drafter_dir"],
+                    "--speculative-num-steps", str(CHAIN[0]), "--speculative-eagle-topk", str(CHAIN[1]),
+                    "--speculative-num-draft-tokens", str(CHAIN[2])]  # fmt: skip
+            R["drafted"] = decode_on(H, HH, f"famdraft-{case}-eagle3", model, common + spec, prompts)
+            base, mine = R["target"].pop("texts", None), R["drafted"].pop("texts", None)
+            if base is not None and mine is not None:
+                R["drafted"]["same_text_as_target_alone"] = h2hreport.agreement(mine, base)
+            R["drafter_server_startup_s"] = R["drafted"].get("server_startup_s")
+            R["status"], R["why"] = verdict(R["target"], R["drafted"])
+        except Exception as e:
+            R["status"], R["why"] = "failed", [f"{type(e).__name__}: {e}"]
+            R["traceback"] = traceback.format_exc()[-2000:]
+            H.stop_all()
+        rc |= R["status"] != "ok"
+        H.log(f"{case}: {R['status']} {R.get('why')}")
+        (out / "familydrafters.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "familydrafters.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "familydrafters.md").write_text(markdown(results))
+    print((out / "familydrafters.md").read_text())
+    return int(rc)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

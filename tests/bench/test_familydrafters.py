@@ -1,0 +1,39 @@
+"""The family drafters' verdict: a drafter that loads and accepts nothing, or changes the greedy text, fails."""
+
+import familydrafters
+
+
+def decoded(accept_length, same=32, of=32, **extra):
+    return {"accept_length": accept_length, "errors": 0,
+            "same_text_as_target_alone": {"same": same, "of": of}, **extra}  # fmt: skip
+
+
+def test_a_drafter_that_is_accepted_and_keeps_the_text_passes():
+    assert familydrafters.verdict({"errors": 0}, decoded(1.8)) == ("ok", [])
+
+
+def test_a_drafter_loaded_but_never_accepted_fails():
+    status, why = familydrafters.verdict({"errors": 0}, decoded(1.0))
+    assert status == "failed" and "accept length 1.0" in why[0] and "not accepted" in why[0]
+
+
+def test_other_text_than_the_target_alone_fails_even_when_accepted():
+    status, why = familydrafters.verdict({"errors": 0}, decoded(2.0, same=30))
+    assert status == "failed" and why == ["30 of 32 greedy outputs equal the target alone's"]
+
+
+def test_a_server_that_did_not_come_up_fails_with_its_error():
+    status, why = familydrafters.verdict({"errors": 0}, {"error": "RuntimeError: fam exited (1)"})
+    assert status == "failed" and why == ["with the drafter: RuntimeError: fam exited (1)"]
+
+
+def test_every_tp1_family_is_a_case_and_the_table_names_each():
+    assert familydrafters.tp1_cases() == ["llama-tp1", "qwen3-tp1", "deepseek-tp1", "qwen3moe-tp1", "kimi-tp1",
+                                          "gptoss-tp1"]  # fmt: skip
+    results = {"steps": 300, "prompts": 32, "tokens": 64, "cases": {
+        "llama-tp1": {"architecture": "LlamaForCausalLM", "status": "ok", "drafted": decoded(1.9),
+                      "train": {"probe": {"final": {"acc": [0.8, 0.5]}}}},
+        "gptoss-tp1": {"architecture": "GptOssForCausalLM", "skipped": "skipped: no extraction"}}}  # fmt: skip
+    md = familydrafters.markdown(results)
+    assert "| llama-tp1 | LlamaForCausalLM | ok | 0.80 / 0.50 | 1.900 |" in md
+    assert "| gptoss-tp1 | GptOssForCausalLM | skipped: no extraction |" in md
