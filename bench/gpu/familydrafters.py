@@ -39,7 +39,7 @@ N_PROMPTS = int(os.environ.get("FAMDRAFT_PROMPTS", "32"))
 N_TOKENS = int(os.environ.get("FAMDRAFT_TOKENS", "64"))
 CHAIN = (3, 1, 4)
 ACCEPT_FLOOR = 1.1
-SERVER_FLAGS = ["--mem-fraction-static", "0.3", "--disable-cuda-graph", "--disable-radix-cache"]
+SERVER_FLAGS = ["--mem-fraction-static", "0.3", "--disable-cuda-graph"]  # phases.sglang adds --disable-radix-cache
 CASE_ESTIMATE_S = 110  # two server starts of ~40 s and two decodes
 
 
@@ -79,13 +79,14 @@ def markdown(results: dict) -> str:
     ]
     for case, R in results["cases"].items():
         d = R.get("drafted") or {}
+        why = " ".join("; ".join(R.get("why", [])).split())[:200]  # one table line
         acc = ((R.get("train") or {}).get("probe") or {}).get("final", {}).get("acc")
         lines.append(
             f"| {case} | {R.get('architecture', '')} | {R.get('status', R.get('skipped', ''))} | "
             f"{h2hreport.rates(acc)} | {h2hreport.fmt(d.get('accept_length'), 3)} | "
             f"{h2hreport.rates(d.get('accept_rate_per_position'))} | "
             f"{h2hreport.agree(d.get('same_text_as_target_alone'))} | "
-            f"{h2hreport.fmt(R.get('drafter_server_startup_s'), 1)} | {'; '.join(R.get('why', []))[:200]} |"
+            f"{h2hreport.fmt(R.get('drafter_server_startup_s'), 1)} | {why} |"
         )
     return "\n".join(lines) + "\n"
 
