@@ -70,7 +70,10 @@ class DumpEncoding:
         if topk:
             if type(topk) is not int:
                 raise ValueError(f"custom_params.{TOPK_PARAM}={topk!r}: give an integer k")
-            check_k(topk, vocab_size)
+            try:
+                check_k(topk, vocab_size)
+            except TopkError as e:
+                raise ValueError(f"custom_params.{TOPK_PARAM}={topk}: {e}") from e
         return cls(fp8=params.get(DUMP_ENCODING_PARAM) == FP8_ENCODING, topk=topk)
 
 
