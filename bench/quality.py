@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from redis import Redis
 from redis.client import NEVER_DECODE
 
@@ -33,10 +34,12 @@ from bench.pipeline import pipeline_phase  # noqa: E402
 from eaglet.cli.stack import LocalStack  # noqa: E402
 from eaglet.shared.config import Settings  # noqa: E402
 from eaglet.shared.keys import RunKeys  # noqa: E402
+from eaglet.shared.layout import Layout  # noqa: E402
 from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
 from eaglet.shared.runstate import RunState  # noqa: E402
 from eaglet.shared.samples import SampleSet  # noqa: E402
 from eaglet.shared.store import open_sample, read_metadata, sample_path, samples_dir, write_sample  # noqa: E402
+from eaglet.shared.topk import TOPK_TENSORS, encode_topk  # noqa: E402
 
 EVAL = ROOT / "data" / "demo" / "eval.jsonl"
 
@@ -86,17 +89,24 @@ def extract_source(redis: Redis, bench: Bench, name: str, limit: int) -> dict:
     return figures
 
 
-def derive_run(redis: Redis, data_dir: Path, src: str, run: str, store_dtype: str, first: int) -> int:
-    """A copy of run ``src`` whose samples are stored as ``store_dtype`` and whose done samples are the first
-    ``first``; returns the bytes of its hidden states."""
+def derive_run(
+    redis: Redis, data_dir: Path, src: str, run: str, store_dtype: str, first: int, layout: Layout = Layout(),
+    lm_head: torch.Tensor | None = None,
+) -> int:  # fmt: skip
+    """A copy of run ``src`` whose samples are stored as ``store_dtype`` in ``layout`` and whose done samples are
+    the first ``first``; returns the bytes of its hidden states. A top-k layout's distribution is computed from the
+    stored final states with the target's ``lm_head`` [V, H] by the servers' own encoder."""
     shutil.copytree(samples_dir(data_dir, src), samples_dir(data_dir, run))
     samples = SampleSet(samples_dir(data_dir, src))
     nbytes = 0
     for i in range(min(first, len(samples))):
         sid = samples[i].sample_id
         path = sample_path(data_dir, src, sid)
-        nbytes += write_sample(sample_path(data_dir, run, sid), open_sample(path), read_metadata(path),
-                               store_dtype=store_dtype)  # fmt: skip
+        tensors = open_sample(path)
+        if layout.final == "topk":
+            tensors.update(zip(TOPK_TENSORS, encode_topk(tensors["hidden_states"], lm_head, layout.topk), strict=True))
+        nbytes += write_sample(sample_path(data_dir, run, sid), tensors, read_metadata(path),
+                               store_dtype=store_dtype, layout=layout)  # fmt: skip
     src_keys, keys = RunKeys(src), RunKeys(run)
     redis.hset(keys.meta, mapping=redis.hgetall(src_keys.meta))
     bitmap = bytearray(redis.execute_command("GET", src_keys.done, **{NEVER_DECODE: []}))

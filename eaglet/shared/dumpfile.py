@@ -14,6 +14,11 @@ stores fp8): the server then encodes them on its device with the store's encoder
 (eaglet/shared/store.py ``encode_fp8``), the dump holds them as float8 e4m3 with ``hidden_states_scale`` and
 ``aux_hidden_states_scale`` [T, 1] float32 beside them and metadata ``storage: fp8_e4m3``, and the worker stores
 them as they are: half the bytes through the dump folder, the copy and the disk.
+
+A request may also ask for the target's top-k distribution (``custom_params: {"eaglet_topk": k}``, sent when the
+run's layout keeps one instead of the final state): the dump then holds ``topk_ids`` int32 [T, k] and ``topk_logp``
+float16 [T, k] beside the states, computed by the server from its LM head (eaglet/shared/topk.py), metadata
+``topk: k``. A server that cannot leaves them out, and the worker refuses the dump with that reason.
 """
 
 import json
@@ -28,6 +33,7 @@ from safetensors.torch import save_file
 from eaglet.shared.ids import check_rid
 from eaglet.shared.store import FP8, FP8_STORAGE, STATE_TENSORS
 from eaglet.shared.tensorfile import FileSlice, TensorFileError, map_tensors, read_header, row_blocks
+from eaglet.shared.topk import TOPK_PARAM, TOPK_TENSORS, TopkError, check_k, check_topk
 
 SUFFIX = ".safetensors"
 FINITE_CHECK_BYTES = 8 << 20  # of float32: 4 MB of a bf16 dump a block
@@ -40,6 +46,37 @@ class DumpInvalid(ValueError):
     """A dump that must not be stored: partial, unreadable, wrong shape, dtype or token count, not finite."""
 
 
+@dataclass(frozen=True)
+class DumpEncoding:
+    """What a request asks its server to compute on its device before the copy to the host."""
+
+    fp8: bool = False
+    """The states fp8-encoded."""
+    topk: int = 0
+    """The target's top-k distribution beside the states (k entries a token; 0: none)."""
+
+    def params(self) -> dict:
+        """The request's ``sampling_params.custom_params`` entries asking for it."""
+        return {
+            **({DUMP_ENCODING_PARAM: FP8_ENCODING} if self.fp8 else {}),
+            **({TOPK_PARAM: self.topk} if self.topk else {}),
+        }
+
+    @classmethod
+    def from_params(cls, custom_params: dict | None, vocab_size: int) -> "DumpEncoding":
+        """Read by a server from a request; ``ValueError`` naming the parameter for a k it cannot serve."""
+        params = custom_params or {}
+        topk = params.get(TOPK_PARAM, 0)
+        if topk:
+            if type(topk) is not int:
+                raise ValueError(f"custom_params.{TOPK_PARAM}={topk!r}: give an integer k")
+            try:
+                check_k(topk, vocab_size)
+            except TopkError as e:
+                raise ValueError(f"custom_params.{TOPK_PARAM}={topk}: {e}") from e
+        return cls(fp8=params.get(DUMP_ENCODING_PARAM) == FP8_ENCODING, topk=topk)
+
+
 @dataclass
 class Dump:
     hidden_states: torch.Tensor  # [T, H]
@@ -49,6 +86,8 @@ class Dump:
     """Where the tensors lie in the dump file: a store that keeps them as they are copies these."""
     scales: dict[str, torch.Tensor] = field(default_factory=dict)
     """``hidden_states_scale`` and ``aux_hidden_states_scale`` [T, 1] of an fp8 dump; empty otherwise."""
+    topk: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``topk_ids`` and ``topk_logp`` [T, k] of a dump that was asked for them; empty otherwise."""
 
     @property
     def fp8(self) -> bool:
@@ -73,11 +112,13 @@ def write_dump(
     model: str,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     model_dtype: torch.dtype | None = None,
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Path:
     """Writes one request's dump atomically and returns its path. No fsync: the dump dir is shared memory.
 
     ``scales`` (of ``hidden_states``, of ``aux_hidden_states``): the states are fp8-encoded (``encode_fp8``);
-    ``model_dtype`` then names the dtype they were encoded from."""
+    ``model_dtype`` then names the dtype they were encoded from. ``topk``: (ids, log-probs) [T, k] of the target's
+    top-k distribution (``encode_topk``)."""
     final = dump_path(dump_dir, rid)
     tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     metadata = {
@@ -94,6 +135,9 @@ def write_dump(
     if scales is not None:
         tensors["hidden_states_scale"], tensors["aux_hidden_states_scale"] = (t.contiguous() for t in scales)
         metadata["storage"] = FP8_STORAGE
+    if topk is not None:
+        tensors.update(zip(TOPK_TENSORS, (t.contiguous() for t in topk), strict=True))
+        metadata["topk"] = str(topk[0].shape[1])
     try:
         save_file(tensors, str(tmp), metadata=metadata)
         os.chmod(tmp, 0o644)  # the reader may be another user (the extractor's container)
@@ -111,14 +155,21 @@ def read_dump(path: Path) -> Dump:
         names = [*STATE_TENSORS, *(f"{k}_scale" for k in STATE_TENSORS if f"{k}_scale" in tensors)]
         slices = {k: header.slices[k] for k in names}
         scales = {k: tensors[k] for k in names[len(STATE_TENSORS) :]}
-        return Dump(tensors["hidden_states"], tensors["aux_hidden_states"], header.metadata, slices, scales)
+        topk = {k: tensors[k] for k in TOPK_TENSORS if k in tensors}
+        return Dump(tensors["hidden_states"], tensors["aux_hidden_states"], header.metadata, slices, scales, topk)
     except (TensorFileError, KeyError, ValueError, OSError) as e:
         raise DumpInvalid(f"dump {path.name}: unreadable ({type(e).__name__}: {e})") from e
 
 
-def validate_dump(dump: Dump, *, rid: str, num_tokens: int, hidden_size: int, num_aux: int = 3) -> None:
-    """Raises ``DumpInvalid`` with the reason unless the dump is this request's, whole and finite."""
+def validate_dump(
+    dump: Dump, *, rid: str, num_tokens: int, hidden_size: int, num_aux: int = 3, topk: int = 0,
+    vocab_size: int | None = None,
+) -> None:  # fmt: skip
+    """Raises ``DumpInvalid`` with the reason unless the dump is this request's, whole and finite, with the top-k
+    distribution of ``topk`` entries over ``vocab_size`` tokens it was asked for (``topk`` > 0)."""
     where = f"dump {rid}"
+    if topk:
+        _validate_topk(dump, where, num_tokens, topk, vocab_size)
     got_rid = dump.metadata.get("rid")
     if got_rid != rid:
         raise DumpInvalid(f"{where}: metadata rid is {got_rid!r}")
@@ -168,3 +219,15 @@ def _validate_fp8(dump: Dump, where: str, num_tokens: int) -> None:
             if bool(nan.any()):
                 bad_row = rows.start + int(nan.any(dim=-1).nonzero()[0, 0])
                 raise DumpInvalid(f"{where}: {name} has NaN (first at token {bad_row})")
+
+
+def _validate_topk(dump: Dump, where: str, num_tokens: int, k: int, vocab_size: int | None) -> None:
+    if len(dump.topk) != len(TOPK_TENSORS):
+        raise DumpInvalid(f"{where}: asked for the top-{k} distribution, the dump holds none (does its server "
+                          f"compute it? the reference server does)")  # fmt: skip
+    if vocab_size is None:
+        raise DumpInvalid(f"{where}: the run records no vocabulary size to check its top-{k} ids against")
+    try:
+        check_topk(*(dump.topk[n] for n in TOPK_TENSORS), rows=num_tokens, k=k, vocab_size=vocab_size, where=where)
+    except TopkError as e:
+        raise DumpInvalid(str(e)) from e

@@ -12,10 +12,13 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import Field
 
+from eaglet.shared.layout import AuxStorage, FinalStorage, Layout
+
 Overlong = Literal["truncate", "reject"]
 StoreDtype = Literal["model", "bf16", "fp8"]
 Reasoning = Literal["think_tags", "drop"]
 MIN_MAX_TOKENS = 2
+DEFAULT_TOPK = 32
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
@@ -84,6 +87,13 @@ class RunOptions:
     store_dtype: StoreDtype | None = None
     """How the run's hidden states are stored (eaglet/shared/store.py); None: the ingesting process's
     ``EAGLET_STORE_DTYPE``. Fixed in the run's record at ingest, so every worker, on any host, stores it the same."""
+    store_final: FinalStorage = "all"
+    """What is kept of the target's final state (eaglet/shared/layout.py): ``all`` positions, only the ``loss``
+    positions, or the target's ``topk`` distribution instead. Fixed at ingest, as ``store_dtype``."""
+    store_topk: Annotated[int, Field(ge=0)] = 0
+    """Entries of the top-k distribution a token keeps (``store_final: topk``: 1 to 1024; 32 when left 0)."""
+    store_aux: AuxStorage = "full"
+    """The auxiliary states at ``full`` width (``store_dtype``) or block-scaled 4-bit (``fp4``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.regenerate, dict):  # read back from the run's record (JSON)
@@ -97,6 +107,13 @@ class RunOptions:
             raise ValueError(f"limit={self.limit}: must be at least 1")
         if self.store_dtype is not None and self.store_dtype not in get_args(StoreDtype):
             raise ValueError(f"store_dtype={self.store_dtype!r}: use one of {', '.join(get_args(StoreDtype))}")
+        if self.store_final == "topk" and self.store_topk == 0:
+            object.__setattr__(self, "store_topk", DEFAULT_TOPK)
+        self.layout()  # checks the three store_ fields together
+
+    def layout(self) -> Layout:
+        """The storage layout these options name."""
+        return Layout(final=self.store_final, topk=self.store_topk, aux=self.store_aux)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

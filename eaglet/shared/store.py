@@ -14,8 +14,11 @@ that exists is complete.
 
 The two state tensors are stored as dumped (``model``), as ``bf16``, or as ``fp8``: float8 e4m3 with a
 per-token scale each (``hidden_states_scale`` [T, 1], ``aux_hidden_states_scale`` [T, 1], float32;
-metadata ``storage: fp8_e4m3``), half the bytes of bf16. ``encode_states`` and ``decode_states`` are the
-only code that knows these encodings.
+metadata ``storage: fp8_e4m3``), half the bytes of bf16. The run's layout (eaglet/shared/layout.py) may keep
+less: the final state at loss positions only, the target's top-k distribution in its place (``topk_ids``,
+``topk_logp``), the aux states as block-scaled 4-bit (``aux_hidden_states_e2m1``,
+``aux_hidden_states_block_scale``); the metadata names it (``final_storage``, ``topk``, ``aux_storage``).
+``encode_states`` and ``decode_states`` are the only code that knows these encodings.
 """
 
 import os
@@ -24,12 +27,17 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from eaglet.shared.fp4 import FP4_STORAGE, decode_fp4, encode_fp4
 from eaglet.shared.ids import check_id, fanout
+from eaglet.shared.layout import Layout, loss_rows
 from eaglet.shared.tensorfile import FileSlice, TensorFileError, read_header, row_blocks, write_tensors
+from eaglet.shared.topk import TOPK_TENSORS
 
-SAMPLE_TENSORS = ("input_ids", "loss_mask", "hidden_states", "aux_hidden_states")
 STATE_TENSORS = ("hidden_states", "aux_hidden_states")
 STORE_DTYPES = ("model", "bf16", "fp8")
+FP4_AUX_TENSORS = ("aux_hidden_states_e2m1", "aux_hidden_states_block_scale")
+"""4-bit aux states: uint8 codes [T, 3H/2] and bfloat16 block scales [T, 3H/32] (eaglet/shared/fp4.py)."""
+DEFAULT_LAYOUT = Layout()
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_STORAGE = "fp8_e4m3"
@@ -74,27 +82,67 @@ def partial_path(path: Path, writer: str) -> Path:
 
 
 def encode_states(
-    tensors: dict[str, torch.Tensor], metadata: dict[str, str], store_dtype: str
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], store_dtype: str, layout: Layout = DEFAULT_LAYOUT
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The sample's tensors and metadata as stored under ``store_dtype`` (model | bf16 | fp8).
+    """The sample's tensors and metadata as stored under ``store_dtype`` (model | bf16 | fp8) and ``layout``
+    (eaglet/shared/layout.py).
 
-    States that arrive already fp8-encoded (a dump the server encoded, metadata ``storage: fp8_e4m3``, scales
-    beside them) are stored as they are when the run stores fp8; they never go back to full width."""
+    States that arrive already encoded by the server are stored as they are: fp8 states (metadata ``storage:
+    fp8_e4m3``, scales beside them) when the run stores fp8, 4-bit aux states (``aux_storage``) when it stores
+    them so, the top-k distribution (``topk_ids``, ``topk_logp``) when its layout keeps one; they never go back to
+    full width. A ``loss`` layout keeps the final state's rows at loss positions only."""
     if store_dtype not in STORE_DTYPES:
         raise ValueError(f"store dtype {store_dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
-    out = {k: tensors[k] for k in SAMPLE_TENSORS}
-    if metadata.get("storage") == FP8_STORAGE:
-        if store_dtype != "fp8":
-            raise ValueError(f"states already stored as {FP8_STORAGE} cannot be stored as {store_dtype!r}")
-        out.update({f"{k}_scale": tensors[f"{k}_scale"] for k in STATE_TENSORS})
-    elif store_dtype == "bf16":
-        out.update({k: tensors[k].to(torch.bfloat16) for k in STATE_TENSORS})
-        metadata = {**metadata, "storage": "bf16"}
+    arrived_fp8 = metadata.get("storage") == FP8_STORAGE
+    if arrived_fp8 and store_dtype != "fp8":
+        raise ValueError(f"states already stored as {FP8_STORAGE} cannot be stored as {store_dtype!r}")
+    out = {k: tensors[k] for k in ("input_ids", "loss_mask")}
+    if layout.final == "topk":
+        if any(k not in tensors for k in TOPK_TENSORS):
+            raise ValueError(f"layout {layout.name}: the dump holds no top-k distribution (topk_ids, topk_logp)")
+        out.update({k: tensors[k] for k in TOPK_TENSORS})
+    else:
+        rows = loss_rows(tensors["loss_mask"]) if layout.final == "loss" else None
+        out.update(_full_width(tensors, "hidden_states", store_dtype, arrived_fp8, rows))
+    if layout.aux == "fp4":
+        out.update(_fp4_aux(tensors, metadata, arrived_fp8))
+    else:
+        out.update(_full_width(tensors, "aux_hidden_states", store_dtype, arrived_fp8, None))
+    metadata = {k: v for k, v in metadata.items() if k not in ("final_storage", "topk", "aux_storage")}
+    metadata.update(layout.metadata())
+    if store_dtype == "bf16":
+        metadata["storage"] = "bf16"
     elif store_dtype == "fp8":
-        for k in STATE_TENSORS:
-            out[k], out[f"{k}_scale"] = encode_fp8(tensors[k])
-        metadata = {**metadata, "storage": FP8_STORAGE}
+        metadata["storage"] = FP8_STORAGE
     return out, metadata
+
+
+def _full_width(
+    tensors: dict[str, torch.Tensor], name: str, store_dtype: str, arrived_fp8: bool, rows: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """One state tensor (its ``rows`` only, when given) in ``store_dtype``, with its fp8 scale where it has one."""
+    x = tensors[name]
+    if arrived_fp8:
+        scale = tensors[f"{name}_scale"]
+        return {name: x, f"{name}_scale": scale} if rows is None else {name: x[rows], f"{name}_scale": scale[rows]}
+    if rows is not None:
+        x = x[rows]
+    if store_dtype == "bf16":
+        return {name: x.to(torch.bfloat16)}
+    if store_dtype == "fp8":
+        values, scale = encode_fp8(x)
+        return {name: values, f"{name}_scale": scale}
+    return {name: x}
+
+
+def _fp4_aux(tensors: dict[str, torch.Tensor], metadata: dict[str, str], arrived_fp8: bool) -> dict[str, torch.Tensor]:
+    if metadata.get("aux_storage") == FP4_STORAGE:
+        return {k: tensors[k] for k in FP4_AUX_TENSORS}
+    if arrived_fp8:
+        # fp8 then 4-bit would round twice: such a run asks its server for full-width aux states
+        raise ValueError(f"aux states arrived as {FP8_STORAGE}: 4-bit aux states are encoded from full width only")
+    codes, scales = encode_fp4(tensors["aux_hidden_states"])
+    return dict(zip(FP4_AUX_TENSORS, (codes, scales), strict=True))
 
 
 def encode_fp8(x: torch.Tensor, block_bytes: int = FP8_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,10 +174,30 @@ def _decode_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 def decode_states(
     tensors: dict[str, torch.Tensor], metadata: dict[str, str], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """The two state tensors of a stored sample, back in ``dtype``."""
-    if metadata.get("storage") == FP8_STORAGE:
-        return {k: _decode_fp8(tensors[k], tensors[f"{k}_scale"], dtype) for k in STATE_TENSORS}
-    return {k: tensors[k].to(dtype) for k in STATE_TENSORS}
+    """A stored sample's states for training: ``aux_hidden_states`` [T, 3H] in ``dtype``, and either
+    ``hidden_states`` [T, H] in ``dtype`` (zero rows where a ``loss`` layout kept none: no loss reads them) or, for
+    a ``topk`` layout, ``topk_ids`` int64 [T, k] and ``topk_logp`` float32 [T, k]."""
+    layout = Layout.from_metadata(metadata)
+    fp8 = metadata.get("storage") == FP8_STORAGE
+
+    def full(name: str) -> torch.Tensor:
+        if fp8:
+            return _decode_fp8(tensors[name], tensors[f"{name}_scale"], dtype)
+        return tensors[name].to(dtype)
+
+    if layout.aux == "fp4":
+        out = {"aux_hidden_states": decode_fp4(*(tensors[k] for k in FP4_AUX_TENSORS), dtype)}
+    else:
+        out = {"aux_hidden_states": full("aux_hidden_states")}
+    if layout.final == "topk":
+        out.update(topk_ids=tensors["topk_ids"].long(), topk_logp=tensors["topk_logp"].float())
+    elif layout.final == "loss":
+        hidden = torch.zeros(len(tensors["input_ids"]), tensors["hidden_states"].shape[1], dtype=dtype)
+        hidden[loss_rows(tensors["loss_mask"])] = full("hidden_states")
+        out["hidden_states"] = hidden
+    else:
+        out["hidden_states"] = full("hidden_states")
+    return out
 
 
 def write_sample(
@@ -139,14 +207,15 @@ def write_sample(
     *,
     writer: str | None = None,
     store_dtype: str = "model",
+    layout: Layout = DEFAULT_LAYOUT,
     slices: dict[str, FileSlice] | None = None,
 ) -> int:
     """Writes one sample file durably (temp, fsync, rename, fsync of the folder); returns its size.
 
-    ``writer`` names the temp file (default: the pid); one writer writes one file at a time. ``store_dtype``:
-    see ``encode_states``. ``slices``: where state tensors already lie in a file (the dump they came from);
+    ``writer`` names the temp file (default: the pid); one writer writes one file at a time. ``store_dtype``,
+    ``layout``: see ``encode_states``. ``slices``: where state tensors already lie in a file (the dump they came from);
     a state stored as it is is then copied file to file by the kernel, never through this process."""
-    encoded, metadata = encode_states(tensors, metadata, store_dtype)
+    encoded, metadata = encode_states(tensors, metadata, store_dtype, layout)
     parts: dict[str, torch.Tensor | FileSlice] = {}
     for name in sorted(encoded, key=lambda k: -encoded[k].nbytes):  # largest first: every part stays aligned
         kept = slices is not None and name in slices and encoded[name] is tensors.get(name)
@@ -179,23 +248,53 @@ def sample_header(path: Path) -> tuple[dict[str, list[int]], dict[str, str]] | N
         header = read_header(path)
     except (OSError, TensorFileError):
         return None  # absent, or truncated or padded: not a file we wrote
-    if any(k not in header.slices for k in SAMPLE_TENSORS):
-        return None
+    if any(k not in header.slices for k in ("input_ids", "loss_mask")):
+        return None  # the states a layout keeps are checked by who knows the layout (``stored_rows``)
     return {k: list(s.shape) for k, s in header.slices.items()}, header.metadata
 
 
-def sample_is_complete(path: Path, num_tokens: int) -> bool:
-    """True if a verified sample file of ``num_tokens`` tokens is already stored: it is not extracted again."""
+def sample_is_complete(path: Path, num_tokens: int, num_loss_rows: int | None = None) -> bool:
+    """True if a verified sample file of ``num_tokens`` tokens is already stored: it is not extracted again.
+    ``num_loss_rows``: the sample's rows at loss positions (``loss_rows``), what a ``loss`` layout keeps; unknown
+    (None), such a file counts as complete with any row count up to ``num_tokens``."""
     found = sample_header(path)
     if found is None:
         return False
     shapes, metadata = found
-    names = SAMPLE_TENSORS
-    if metadata.get("storage") == FP8_STORAGE:
-        names += tuple(f"{k}_scale" for k in STATE_TENSORS)
-        if any(k not in shapes for k in names):
-            return False
-    return all(shapes[k][0] == num_tokens for k in names)
+    try:
+        rows = stored_rows(Layout.from_metadata(metadata), metadata, num_tokens, num_loss_rows)
+    except ValueError:
+        return False  # a layout this code does not know: not a file we wrote
+    if any(k not in shapes for k in rows):
+        return False
+    if num_loss_rows is None and "hidden_states" in rows and rows["hidden_states"] is None:
+        return shapes["hidden_states"][0] <= num_tokens
+    return all(shapes[k][0] == n for k, n in rows.items() if n is not None)
+
+
+def stored_rows(
+    layout: Layout, metadata: dict[str, str], num_tokens: int, num_loss_rows: int | None
+) -> dict[str, int | None]:
+    """Each tensor a sample of ``layout`` stores, with its row count (None: a ``loss`` layout's, not known)."""
+    rows: dict[str, int | None] = {"input_ids": num_tokens, "loss_mask": num_tokens}
+    fp8 = metadata.get("storage") == FP8_STORAGE
+    if layout.final == "topk":
+        rows.update(dict.fromkeys(TOPK_TENSORS, num_tokens))
+    else:
+        n = num_loss_rows if layout.final == "loss" else num_tokens
+        rows.update(dict.fromkeys(("hidden_states", *(("hidden_states_scale",) if fp8 else ())), n))
+    aux = FP4_AUX_TENSORS if layout.aux == "fp4" else ("aux_hidden_states", *(("aux_hidden_states_scale",) * fp8))
+    rows.update(dict.fromkeys(aux, num_tokens))
+    return rows
+
+
+def state_widths(shapes: dict[str, list[int]]) -> tuple[int | None, int]:
+    """(final state's width, None where a top-k is stored instead; the aux states' width) of a stored sample's
+    tensor shapes (``sample_header``)."""
+    hidden = shapes["hidden_states"][-1] if "hidden_states" in shapes else None
+    if FP4_AUX_TENSORS[0] in shapes:
+        return hidden, 2 * shapes[FP4_AUX_TENSORS[0]][-1]  # two 4-bit codes a byte
+    return hidden, shapes["aux_hidden_states"][-1]
 
 
 def open_sample(path: Path) -> dict[str, torch.Tensor]:

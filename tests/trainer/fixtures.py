@@ -8,9 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eaglet.shared.layers import default_layer_ids
+from eaglet.shared.layout import Layout
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleWriter
 from eaglet.shared.store import sample_path, samples_dir, write_sample
+from eaglet.shared.topk import TOPK_TENSORS, encode_topk
 
 
 def token_sequences(n: int, length: int, seed: int = 0, vocab: tuple[int, int] = (200, 260)) -> list[list[int]]:
@@ -35,8 +37,10 @@ def make_run(
     length: int = 40,
     complete: bool = True,
     store_dtype: str = "model",
+    layout: Layout = Layout(),
 ) -> list[int]:
-    """Writes ``n`` samples and the run state; marks all done (``complete``) or all but the last. Returns layer ids."""
+    """Writes ``n`` samples and the run state, stored as ``store_dtype`` in ``layout`` (a top-k computed as the
+    reference server does); marks all done (``complete``) or all but the last. Returns layer ids."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     layers = model.config.num_hidden_layers
     layer_ids = default_layer_ids(layers)
@@ -55,8 +59,11 @@ def make_run(
             "hidden_states": out.last_hidden_state[0],  # after the final norm
             "aux_hidden_states": torch.cat([out.hidden_states[j][0] for j in layer_ids], -1),
         }
+        if layout.final == "topk":
+            topk = encode_topk(tensors["hidden_states"], model.lm_head.weight, layout.topk)
+            tensors.update(zip(TOPK_TENSORS, topk, strict=True))
         path = sample_path(data_dir, run_id, f"s{i:04d}")
-        write_sample(path, tensors, {"aux_layer_ids": json.dumps(layer_ids)}, store_dtype=store_dtype)
+        write_sample(path, tensors, {"aux_layer_ids": json.dumps(layer_ids)}, store_dtype=store_dtype, layout=layout)
     writer.close({"model": str(model_dir)})
     state.set_total(n, sum(len(s) for s in seqs))
     for i, ids in enumerate(seqs):

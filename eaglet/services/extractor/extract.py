@@ -21,15 +21,16 @@ from redis import Redis
 
 from eaglet.services.extractor.exceptions import SampleRejected, Transient
 from eaglet.shared.dumpfile import (
-    DUMP_ENCODING_PARAM,
     FP8_ENCODING,
     Dump,
+    DumpEncoding,
     DumpInvalid,
     dump_path,
     read_dump,
     validate_dump,
 )
 from eaglet.shared.ids import make_rid
+from eaglet.shared.layout import Layout
 from eaglet.shared.records import RunMeta
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import Sample, SampleSet
@@ -78,7 +79,7 @@ class Extractor:
             return "already done"
         sample = self.sample_set(run_id)[index]
         path = sample_path(self.data_dir, run_id, sample.sample_id)
-        if sample_is_complete(path, len(sample.input_ids)):
+        if sample_is_complete(path, len(sample.input_ids), int(sample.loss_mask[1:].sum())):
             # Stored by an earlier attempt whose mark was lost (a crash between rename and mark).
             state.mark_done(index, len(sample.input_ids), path.stat().st_size)
             return "found stored"
@@ -131,17 +132,21 @@ class Extractor:
             clock = now
 
         store = self.store_dtype_of(state)
+        meta = self._run_meta(state)
+        layout = Layout.from_options(meta.options)
+        # The server computes on its device what saves host work: the top-k distribution (it alone has the LM head),
+        # and fp8 states (half the bytes to move and write); 4-bit aux states are encoded here, from full width.
+        encoding = DumpEncoding(fp8=store == "fp8" and layout.aux == "full", topk=layout.topk)
         try:
-            # A run stored as fp8 has the server encode its states on its device: half the bytes to move and write.
-            self._prefill(rid, sample, fp8=store == "fp8")
+            self._prefill(rid, sample, encoding)
             lap("prefill")
             dump = self._wait_for_dump(dump_file, rid)
             lap("dump_wait")
-            meta = self._run_meta(state)
-            validate_dump(dump, rid=rid, num_tokens=len(sample.input_ids), hidden_size=meta.hidden_size)
-            if dump.fp8 != (store == "fp8"):
+            validate_dump(dump, rid=rid, num_tokens=len(sample.input_ids), hidden_size=meta.hidden_size,
+                          topk=layout.topk, vocab_size=meta.vocab_size)  # fmt: skip
+            if dump.fp8 != encoding.fp8:
                 raise DumpInvalid(f"dump {rid}: storage {dump.metadata.get('storage')!r}, but this worker asked for "
-                                  f"{FP8_ENCODING if store == 'fp8' else 'full width'}")  # fmt: skip
+                                  f"{FP8_ENCODING if encoding.fp8 else 'full width'}")  # fmt: skip
             self._check_layers(state, sample, dump, rid)
             self.captured = (dump.hidden_states.shape[-1], dump.aux_layer_ids)
             lap("check")
@@ -151,11 +156,12 @@ class Extractor:
                 "hidden_states": dump.hidden_states,
                 "aux_hidden_states": dump.aux_hidden_states,
                 **dump.scales,
+                **dump.topk,
             }
             metadata = {**dump.metadata, "run_id": state.run_id, "sample_id": sample.sample_id}
             try:
                 nbytes = write_sample(path, tensors, metadata, writer=self.instance or None,
-                                      store_dtype=store, slices=dump.slices)  # fmt: skip
+                                      store_dtype=store, layout=layout, slices=dump.slices)  # fmt: skip
             except StoreError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
                     raise Transient(f"data volume: {e}") from e
@@ -196,10 +202,10 @@ class Extractor:
         options = self._run_meta(state).options or {}
         return options.get("store_dtype") or self.store_dtype
 
-    def _prefill(self, rid: str, sample: Sample, *, fp8: bool) -> None:
+    def _prefill(self, rid: str, sample: Sample, encoding: DumpEncoding) -> None:
         params: dict = {"max_new_tokens": 1, "temperature": 0}
-        if fp8:
-            params["custom_params"] = {DUMP_ENCODING_PARAM: FP8_ENCODING}
+        if encoding.params():
+            params["custom_params"] = encoding.params()
         body = {"input_ids": sample.input_ids.tolist(), "rid": rid, "sampling_params": params}
         try:
             response = self.http.post("/generate", json=body)

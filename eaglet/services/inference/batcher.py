@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from eaglet.services.inference.engine import Prefill, ReferenceEngine
-from eaglet.shared.dumpfile import write_dump
+from eaglet.shared.dumpfile import DumpEncoding, write_dump
 from eaglet.shared.dumpwriter import DumpWriter
 from eaglet.shared.ids import is_eaglet_rid
 
@@ -31,8 +31,8 @@ class Work:
     input_ids: list[int]
     rid: str | None
     future: asyncio.Future = field(repr=False)
-    fp8: bool = False
-    """The request asked for its states fp8-encoded (eaglet/shared/dumpfile.py)."""
+    encoding: DumpEncoding = DumpEncoding()
+    """What the request asked its dump to hold encoded (eaglet/shared/dumpfile.py)."""
 
 
 class Batcher:
@@ -60,17 +60,17 @@ class Batcher:
         self.prefill_tokens = 0
         self.batches = 0
 
-    async def prefill(self, input_ids: list[int], rid: str | None, fp8: bool = False) -> Prefill:
-        return await self._submit(("prefill",), input_ids, rid, fp8)
+    async def prefill(self, input_ids: list[int], rid: str | None, encoding: DumpEncoding = DumpEncoding()) -> Prefill:
+        return await self._submit(("prefill",), input_ids, rid, encoding)
 
     async def generate(
         self, input_ids: list[int], rid: str | None, max_new_tokens: int, temperature: float, top_p: float
     ):
         return await self._submit(("generate", max_new_tokens, temperature, top_p), input_ids, rid)
 
-    async def _submit(self, key: tuple, input_ids: list[int], rid: str | None, fp8: bool = False):
+    async def _submit(self, key: tuple, input_ids: list[int], rid: str | None, encoding: DumpEncoding = DumpEncoding()):
         future = asyncio.get_running_loop().create_future()
-        self.pending.append(Work(key, input_ids, rid, future, fp8))
+        self.pending.append(Work(key, input_ids, rid, future, encoding))
         self.arrived.set()
         return await future
 
@@ -135,15 +135,15 @@ class Batcher:
         """Runs a batch on the engine (engine thread); returns each request's result and its dump's future.
         Handing the dumps to the writer may wait for room: that wait is the engine's back-pressure."""
         prompts = [w.input_ids for w in batch]
-        fp8 = [w.fp8 for w in batch]
+        encodings = [w.encoding for w in batch]
         self.batches += 1
         due = [self.dump and is_eaglet_rid(w.rid) for w in batch]
         if batch[0].key[0] == "generate":
             _, max_new_tokens, temperature, top_p = batch[0].key
-            prefills = self.engine.prefill(prompts, fp8) if any(due) else [None] * len(batch)
+            prefills = self.engine.prefill(prompts, encodings) if any(due) else [None] * len(batch)
             results = self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         else:
-            results = prefills = self.engine.prefill(prompts, fp8)
+            results = prefills = self.engine.prefill(prompts, encodings)
             self.prefill_tokens += sum(len(p) for p in prompts)
         return results, [
             self._submit_dump(w.rid, p) if d else None for w, p, d in zip(batch, prefills, due, strict=True)
@@ -160,5 +160,6 @@ class Batcher:
             model=str(self.engine.model_dir.name),
             scales=prefill.scales,
             model_dtype=self.engine.dtype,
+            topk=prefill.topk,
         )
         return self.writer.submit(prefill.nbytes, write, f"rid {rid}")

@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eaglet.shared.dumpfile import DumpEncoding
 from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.store import FP8_BLOCK_BYTES, FP8_DEVICE_BLOCK_BYTES, encode_fp8
+from eaglet.shared.topk import encode_topk
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +28,13 @@ class Prefill:
     next_token: int
     scales: tuple[torch.Tensor, torch.Tensor] | None = None
     """Of hidden_states and aux_hidden_states [T, 1], when they are fp8-encoded (eaglet/shared/dumpfile.py)."""
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The target's top-k distribution (ids, log-probs) [T, k], when asked for (eaglet/shared/topk.py)."""
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.hidden_states, self.aux_hidden_states, *(self.scales or ())))
+        parts = (self.hidden_states, self.aux_hidden_states, *(self.scales or ()), *(self.topk or ()))
+        return sum(t.nbytes for t in parts)
 
 
 class ReferenceEngine:
@@ -50,9 +55,9 @@ class ReferenceEngine:
         log.info("engine: %s on %s (%s), aux layers %s", model_dir, self.device, self.dtype, self.aux_layer_ids)
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], fp8: list[bool] | None = None) -> list[Prefill]:
-        """One forward over a right-padded batch; each prompt gets its own rows back, fp8-encoded on the device
-        before the copy to the host where ``fp8`` asks for it."""
+    def prefill(self, prompts: list[list[int]], encodings: list[DumpEncoding] | None = None) -> list[Prefill]:
+        """One forward over a right-padded batch; each prompt gets its own rows back, with what its encoding asks
+        for computed on the device before the copy to the host: the top-k distribution, fp8-encoded states."""
         lengths = [len(p) for p in prompts]
         ids = torch.full((len(prompts), max(lengths)), self.tokenizer.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -68,12 +73,17 @@ class ReferenceEngine:
         next_tokens = self.model.lm_head(last).argmax(-1).tolist()
         out = []
         for i, n in enumerate(lengths):
-            if fp8 and fp8[i]:
+            encoding = encodings[i] if encodings else DumpEncoding()
+            topk = None
+            if encoding.topk:
+                ids, logp = encode_topk(final[i, :n], self.model.lm_head.weight, encoding.topk)
+                topk = (ids.cpu(), logp.cpu())
+            if encoding.fp8:
                 block = FP8_DEVICE_BLOCK_BYTES if self.device.type == "cuda" else FP8_BLOCK_BYTES
                 (h, h_scale), (a, a_scale) = encode_fp8(final[i, :n], block), encode_fp8(aux[i, :n], block)
-                out.append(Prefill(h.cpu(), a.cpu(), next_tokens[i], (h_scale.cpu(), a_scale.cpu())))
+                out.append(Prefill(h.cpu(), a.cpu(), next_tokens[i], (h_scale.cpu(), a_scale.cpu()), topk))
             else:
-                out.append(Prefill(final[i, :n].cpu(), aux[i, :n].cpu(), next_tokens[i]))
+                out.append(Prefill(final[i, :n].cpu(), aux[i, :n].cpu(), next_tokens[i], topk=topk))
         return out
 
     @torch.inference_mode()

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from eaglet.services.inference.batcher import Batcher
 from eaglet.services.inference.engine import ReferenceEngine
-from eaglet.shared.dumpfile import DUMP_ENCODING_PARAM, FP8_ENCODING
+from eaglet.shared.dumpfile import DumpEncoding
 from eaglet.shared.ids import UnsafeName, check_rid
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     custom_params: dict | None = None
-    """As SGLang's: read only for ``eaglet_dump`` (fp8-encoded dumps, eaglet/shared/dumpfile.py)."""
+    """As SGLang's: read only for ``eaglet_dump`` and ``eaglet_topk`` (what a dump holds, eaglet/shared/dumpfile.py)."""
 
 
 class ChatMessage(BaseModel):
@@ -94,8 +94,11 @@ def create_app(engine: ReferenceEngine, batcher: Batcher) -> FastAPI:
         params = req.sampling_params
         started = time.perf_counter()
         if params.max_new_tokens <= 1:
-            fp8 = (params.custom_params or {}).get(DUMP_ENCODING_PARAM) == FP8_ENCODING
-            prefill = await batcher.prefill(ids, req.rid, fp8)
+            try:
+                encoding = DumpEncoding.from_params(params.custom_params, engine.vocab_size)
+            except ValueError as e:
+                raise HTTPException(400, str(e)) from e
+            prefill = await batcher.prefill(ids, req.rid, encoding)
             output_ids = [prefill.next_token] if params.max_new_tokens == 1 else []
         else:
             output_ids = await batcher.generate(ids, req.rid, params.max_new_tokens, params.temperature, params.top_p)

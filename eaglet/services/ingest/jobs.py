@@ -16,14 +16,17 @@ from transformers import AutoTokenizer
 from eaglet.services.ingest.ingest import IngestResult, ingest_dataset
 from eaglet.services.ingest.runs import create_run
 from eaglet.shared.config import Settings
+from eaglet.shared.fp4 import FP4_BLOCK, Fp4Error
 from eaglet.shared.jobqueue import cancel, enqueue_samples
 from eaglet.shared.layers import default_layer_ids
+from eaglet.shared.layout import NUM_AUX
 from eaglet.shared.records import ACTIVE_STAGES, RunMeta
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet, SampleWriter
 from eaglet.shared.store import samples_dir
 from eaglet.shared.target import resolve_model_dir, text_config
+from eaglet.shared.topk import check_k
 
 log = logging.getLogger(__name__)
 ENQUEUE_BATCH = 1000
@@ -74,6 +77,12 @@ def _describe_target(state: RunState, settings: Settings, meta: RunMeta) -> RunM
     config = text_config(model_dir)  # a wrapper class (Kimi-K2.5) keeps the language model's config inside
     num_layers = config["num_hidden_layers"]
     options = RunOptions(**meta.options)
+    # the layout's limits that depend on the target, checked before any sample is queued
+    if options.store_final == "topk":
+        check_k(options.store_topk, config["vocab_size"])
+    if options.store_aux == "fp4" and NUM_AUX * config["hidden_size"] % FP4_BLOCK:
+        raise Fp4Error(f"store_aux fp4: aux states {NUM_AUX} x {config['hidden_size']} wide are not whole blocks of "
+                       f"{FP4_BLOCK}; store them full width")  # fmt: skip
     context = config.get("max_position_embeddings", options.max_tokens)
     target = RunMeta(
         model=settings.model,

@@ -57,7 +57,8 @@ def load_sample(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {
         "input_ids": stored["input_ids"].long(),  # [T]
         "loss_mask": stored["loss_mask"].bool(),  # [T]
-        **decode_states(stored, metadata, dtype),  # hidden_states [T, H] after the final norm, aux [T, 3H]
+        # aux [T, 3H]; hidden_states [T, H] after the final norm, or the target's topk_ids / topk_logp [T, k]
+        **decode_states(stored, metadata, dtype),
     }
 
 
@@ -104,10 +105,11 @@ class BatchSet(Dataset):
 
 
 def collate(samples: list[dict[str, torch.Tensor]], max_len: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch: padding sits after every real token, so the causal mask alone keeps it out."""
+    """Right-padded batch: padding sits after every real token, so the causal mask alone keeps it out. One run's
+    samples share a layout: all hold ``hidden_states``, or all ``topk_ids`` and ``topk_logp``."""
     T = min(max(len(s["input_ids"]) for s in samples), max_len)
     out = {}
-    for k in ("input_ids", "loss_mask", "hidden_states", "aux_hidden_states"):
+    for k in samples[0]:
         rows = []
         for s in samples:
             x = s[k][:T]

@@ -10,6 +10,7 @@ from torch import nn
 from eaglet.services.trainer import data
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.model import Drafter
+from eaglet.services.trainer.topk import draft_index, topk_terms
 
 
 class TTTObjective(nn.Module):
@@ -31,12 +32,18 @@ class TTTObjective(nn.Module):
         return [(lo, min(lo + size, n)) for lo in range(0, n, size)] or [(0, 0)]
 
     @torch.no_grad()
-    def target_view(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def target_view(self, hidden: torch.Tensor | None, topk_ids: torch.Tensor | None = None):
         """hidden [B, T, H] (target's final normed states) -> (positions whose target top token over the whole
         vocabulary is in the draft vocabulary [B, T], all when the OOV mask is off; the log of the target's
         normalizer over the whole vocabulary [B, T], for the LK losses, else None). By chunks of positions: the
-        full-vocabulary logits of a long sample would be T x V."""
+        full-vocabulary logits of a long sample would be T x V. From a stored top-k (``topk_ids`` [B, T, k], no
+        ``hidden``) the top token is its first entry, and the LK losses need no normalizer."""
         lk = self.cfg.loss != "kl"
+        if hidden is None:
+            usable = (
+                self.drafter.t2d[topk_ids[..., 0]] if self.oov else torch.ones_like(topk_ids[..., 0], dtype=torch.bool)
+            )
+            return usable, None
         if not (self.oov or lk):
             return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device), None
         head = self.target_head.T.to(hidden.dtype)
@@ -50,38 +57,47 @@ class TTTObjective(nn.Module):
         usable = self.drafter.t2d[top] if self.oov else torch.ones_like(top, dtype=torch.bool)
         return usable, torch.cat(lses, 1) if lk else None
 
-    def chunk_terms(self, lo, hi, head, hidden, lse, outs: tuple, masks: tuple) -> torch.Tensor:
+    def chunk_terms(self, lo, hi, outs: tuple, masks: tuple, *target) -> torch.Tensor:
         """Per step, over the target positions [lo, hi): [KL summed, right top tokens, expected acceptance summed,
-        its log summed] (the last two 0 for the KL loss). The target's log-probs over the draft vocabulary are
-        formed here, once for every step that predicts from them (step i at drafter position t predicts from
-        target position t + 1 + i)."""
-        with torch.no_grad():
-            logits = (hidden[:, lo:hi] @ head).float()  # [B, hi - lo, Vd]
-            tlogp = torch.log_softmax(logits, -1)
-            full = logits - lse[:, lo:hi, None] if lse is not None else None  # log p over the whole vocabulary
+        its log summed] (the last two 0 for the KL loss). ``target``: (head [H, Vd], hidden [B, T, H], lse or None),
+        whose log-probs over the draft vocabulary are formed here once for every step that predicts from them
+        (step i at drafter position t predicts from target position t + 1 + i); or a stored top-k (log-probs
+        [B, T, k], draft ids [B, T, k]: eaglet/services/trainer/topk.py)."""
+        topk = len(target) == 2
+        if not topk:
+            head, hidden, lse = target
+            with torch.no_grad():
+                logits = (hidden[:, lo:hi] @ head).float()  # [B, hi - lo, Vd]
+                tlogp = torch.log_softmax(logits, -1)
+                full = logits - lse[:, lo:hi, None] if lse is not None else None  # log p over the whole vocabulary
         sums = []
         for i, (out, m) in enumerate(zip(outs, masks, strict=True)):
             t0, t1 = max(lo - 1 - i, 0), min(hi - 1 - i, m.shape[1])
             mm = m[:, t0 : max(t0, t1)]
-            rows = slice(t0 + 1 + i - lo, t0 + 1 + i - lo + mm.shape[1])
-            lp = tlogp[:, rows][mm]  # [N, Vd]
+            rows = slice(t0 + 1 + i, t0 + 1 + i + mm.shape[1])  # of the target positions
             logq = torch.log_softmax(self.drafter.logits(out[:, t0 : t0 + mm.shape[1]][mm]).float(), -1)
+            if topk:
+                sums.append(topk_terms(target[0][:, rows][mm], target[1][:, rows][mm], logq))
+                continue
+            lp = tlogp[:, rows.start - lo : rows.stop - lo][mm]  # [N, Vd]
             kl = (lp.exp() * (lp - logq)).sum()
             hits = (logq.argmax(-1) == lp.argmax(-1)).sum().float().detach()
             if full is None:
                 sums.append(torch.stack([kl, hits, torch.zeros_like(kl), torch.zeros_like(kl)]))
                 continue
-            accept = torch.minimum(full[:, rows][mm].exp(), logq.exp()).sum(-1)  # [N]
+            accept = torch.minimum(full[:, rows.start - lo : rows.stop - lo][mm].exp(), logq.exp()).sum(-1)  # [N]
             log_accept = torch.where(accept > 0, accept.clamp_min(1e-30).log(), torch.zeros_like(accept))
             sums.append(torch.stack([kl, hits, accept.sum(), log_accept.sum()]))
         return torch.stack(sums, 1)  # [4, steps]
 
-    def forward(self, input_ids, loss_mask, hidden_states, aux_hidden_states):
+    def forward(self, input_ids, loss_mask, hidden_states, aux_hidden_states, topk_ids=None, topk_logp=None):
         """(weighted loss, per-step losses [ttt_steps], per-step accuracies [ttt_steps]) as this process's share of
         the global batch while training across processes: summed over the processes they are what one process
-        would compute on the whole batch. Otherwise (one process, evaluation) the figures of this batch alone."""
+        would compute on the whole batch. Otherwise (one process, evaluation) the figures of this batch alone.
+        The target's distribution comes from ``hidden_states`` [B, T, H], or, for a run that stored its top-k
+        instead (``hidden_states`` None), from ``topk_ids`` and ``topk_logp`` [B, T, k]."""
         T = input_ids.shape[1]
-        usable, lse = self.target_view(hidden_states)
+        usable, lse = self.target_view(hidden_states, topk_ids)
         if self.training and self.cfg.aux_noise > 0:
             aux_hidden_states = aux_hidden_states + torch.empty_like(aux_hidden_states).uniform_(
                 -self.cfg.aux_noise, self.cfg.aux_noise
@@ -94,11 +110,14 @@ class TTTObjective(nn.Module):
         # accuracy is over every loss position, the unusable ones counting as misses: comparable across vocabularies
         positions = [loss_mask[:, 2 + i :].sum() for i in range(len(outs))]
         counts, positions = self.global_counts(torch.stack([m.sum() for m in masks] + positions)).split(len(outs))
-        head = self.target_head[self.draft_ids].T.to(hidden_states.dtype)  # [H, Vd]
+        if hidden_states is None:
+            target = (topk_logp, draft_index(self.drafter.t2d)[topk_ids])
+        else:
+            target = (self.target_head[self.draft_ids].T.to(hidden_states.dtype), hidden_states, lse)  # head [H, Vd]
         spans = self.spans(T)
         sums = torch.zeros(4, len(outs), device=input_ids.device)
         for lo, hi in spans:
-            args = (lo, hi, head, hidden_states, lse, tuple(outs), masks)
+            args = (lo, hi, tuple(outs), masks, *target)
             if len(spans) > 1 and torch.is_grad_enabled():  # keep a chunk's inputs only; its logits are recomputed
                 sums = sums + torch.utils.checkpoint.checkpoint(self.chunk_terms, *args, use_reentrant=False)
             else:
@@ -136,6 +155,12 @@ def states_dtype(device: torch.device) -> torch.dtype:
 
 
 @torch.no_grad()
+def objective_inputs(b: dict[str, torch.Tensor]) -> tuple:
+    """A batch as the objective's arguments: the final states, or the stored top-k where a run kept that instead."""
+    keys = ("input_ids", "loss_mask", "hidden_states", "aux_hidden_states", "topk_ids", "topk_logp")
+    return tuple(b.get(k) for k in keys)
+
+
 def heldout_figures(
     objective: TTTObjective, items: list[data.Item], *, data_dir: Path, run_id: str, tokens_per_batch: int,
     max_len: int, device: torch.device, rank: int = 0, world: int = 1,
@@ -151,7 +176,7 @@ def heldout_figures(
     for batch in data.BatchSet(batches, data_dir, run_id, states_dtype(device), max_len):
         b = {k: v.to(device) for k, v in batch.items()}
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, _, acc = objective(b["input_ids"], b["loss_mask"], b["hidden_states"], b["aux_hidden_states"])
+            loss, _, acc = objective(*objective_inputs(b))
         sums += torch.cat([loss.float()[None], acc.float(), torch.ones(1, device=device)])
     objective.train(was_training)
     if world > 1:

@@ -32,7 +32,7 @@ from eaglet.services.trainer.train import read_done
 from eaglet.shared.config import Settings
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
-from eaglet.shared.store import sample_header, sample_path, samples_dir
+from eaglet.shared.store import sample_header, sample_path, samples_dir, state_widths
 from eaglet.shared.target import model_config, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -151,16 +151,17 @@ def check_states(objective: TTTObjective, data_dir: Path, run_id: str, item: dat
     shapes, metadata = found
     cfg = objective.drafter.cfg
     target_hidden = objective.target_head.shape[1]
-    if shapes["hidden_states"][-1] != target_hidden:
+    hidden, stored_aux = state_widths(shapes)
+    if hidden is not None and hidden != target_hidden:
         raise ScoreError(
-            f"run {run_id}: its stored states are {shapes['hidden_states'][-1]} wide but the target's hidden size is "
+            f"run {run_id}: its stored states are {hidden} wide but the target's hidden size is "
             f"{target_hidden}: a run of another target"
         )
     aux = cfg.num_aux_hidden_states * cfg.target_hidden_size
-    if shapes["aux_hidden_states"][-1] != aux:
+    if stored_aux != aux:
         raise ScoreError(
             f"{drafter_dir}: the drafter reads {cfg.num_aux_hidden_states} aux states of {cfg.target_hidden_size} "
-            f"({aux} wide) but run {run_id} stored {shapes['aux_hidden_states'][-1]}-wide aux states"
+            f"({aux} wide) but run {run_id} stored {stored_aux}-wide aux states"
         )
     # SGLang's ids in the drafter's config (the engine captures the input of layer id + 1): a drafter trained on
     # other layers still scores, but on features it was not trained on

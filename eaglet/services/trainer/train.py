@@ -40,7 +40,13 @@ from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.curves import curves_dir
 from eaglet.services.trainer.distributed import Dist, distribute
 from eaglet.services.trainer.model import Drafter, DrafterConfig, drafter_config
-from eaglet.services.trainer.objective import TTTObjective, heldout_figures, objective_options, states_dtype
+from eaglet.services.trainer.objective import (
+    TTTObjective,
+    heldout_figures,
+    objective_inputs,
+    objective_options,
+    states_dtype,
+)
 from eaglet.services.trainer.optimizer import build_optimizer
 from eaglet.services.trainer.reporter import Reporter
 from eaglet.services.trainer.vocab import build_vocab, count_tokens
@@ -286,7 +292,7 @@ def train_step(s: Session, batch: dict[str, torch.Tensor]) -> None:
     env = s.env
     b = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
     with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
-        loss, losses, accs = s.model(b["input_ids"], b["loss_mask"], b["hidden_states"], b["aux_hidden_states"])
+        loss, losses, accs = s.model(*objective_inputs(b))
     s.opt.zero_grad(set_to_none=True)
     # DDP averages the processes' gradients, and the global loss is the sum of their shares
     (loss * env.world).backward()

@@ -1,0 +1,175 @@
+"""Storage layouts: the 4-bit codec, the top-k encoder and its checks, each layout stored and read back, and the
+bytes a token each costs, counted by one function and found in the files."""
+
+import math
+
+import pytest
+import torch
+
+from eaglet.shared.dumpfile import Dump, DumpEncoding, DumpInvalid, validate_dump
+from eaglet.shared.fp4 import FP4_BLOCK, Fp4Error, check_fp4, decode_fp4, encode_fp4
+from eaglet.shared.layout import Layout, bytes_per_token, loss_rows
+from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.store import (
+    decode_states,
+    encode_states,
+    open_sample,
+    read_metadata,
+    sample_is_complete,
+    write_sample,
+)
+from eaglet.shared.topk import TopkError, check_k, check_topk, encode_topk
+
+H, V, T = 64, 300, 12
+
+
+def sample(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1], dtype=torch.uint8)
+    return {
+        "input_ids": torch.arange(T, dtype=torch.int32),
+        "loss_mask": mask,
+        "hidden_states": torch.randn(T, H, generator=g),
+        "aux_hidden_states": torch.randn(T, 3 * H, generator=g) * 4,
+    }
+
+
+def test_fp4_codes_every_e2m1_value_exactly_and_bounds_the_error_by_the_grid_step():
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 0.0])
+    x = grid.repeat(2, 4)  # [2, 64]: each block's amax is 6, so its scale is 1
+    codes, scales = encode_fp4(x)
+    assert torch.equal(scales.float(), torch.ones(2, 2))
+    assert torch.equal(decode_fp4(codes, scales, torch.float32), x)
+    y = torch.randn(50, 3 * H) * torch.logspace(-3, 3, 3 * H)  # blocks of very different sizes: each its own scale
+    back = decode_fp4(*encode_fp4(y), torch.float32)
+    step = y.abs().view(50, -1, FP4_BLOCK).amax(-1, keepdim=True) / 6 * 1.01  # the widest gap, 4 to 6, is one scale
+    assert bool(((back - y).abs().view(50, -1, FP4_BLOCK) <= step).all())
+    rel = (back - y).norm() / y.norm()
+    assert float(rel) < 0.12, float(rel)
+
+
+def test_fp4_refuses_a_width_no_block_divides_and_names_a_corrupt_block():
+    with pytest.raises(Fp4Error, match="divisible by 32"):
+        encode_fp4(torch.ones(2, 48))
+    codes, scales = encode_fp4(torch.randn(4, 64))
+    check_fp4(codes, scales, rows=4, width=64, where="sample s-1")
+    scales[2, 1] = float("nan")
+    with pytest.raises(Fp4Error, match=r"sample s-1: corrupt 4-bit block \(token 2, block 1\)"):
+        check_fp4(codes, scales, rows=4, width=64, where="sample s-1")
+    with pytest.raises(Fp4Error, match="expected uint8"):
+        check_fp4(codes[:, :-1], scales, rows=4, width=64, where="sample s-1")
+
+
+def test_topk_is_the_targets_most_likely_tokens_with_their_log_probabilities():
+    g = torch.Generator().manual_seed(1)
+    final, head = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g)
+    ids, logp = encode_topk(final, head, 5)
+    full = torch.log_softmax(final @ head.T, -1)
+    expected = full.topk(5, -1)
+    assert torch.equal(ids.long(), expected.indices) and ids.dtype == torch.int32
+    torch.testing.assert_close(logp.float(), expected.values, atol=2e-3, rtol=1e-3)
+    check_topk(ids, logp, rows=T, k=5, vocab_size=V, where="dump r")
+
+
+@pytest.mark.parametrize(
+    ("spoil", "reason"),
+    [
+        (lambda ids, logp: ids.__setitem__((3, 0), 999), "an id outside the vocabulary"),
+        (lambda ids, logp: logp.__setitem__((4, 2), 0.0), "not in falling order"),
+        (lambda ids, logp: logp.__setitem__((5, 0), float("nan")), "not finite"),
+    ],
+)
+def test_a_spoiled_topk_is_refused_with_the_first_bad_token(spoil, reason):
+    ids, logp = encode_topk(torch.randn(T, H), torch.randn(V, H), 4)
+    spoil(ids, logp)
+    with pytest.raises(TopkError, match=reason):
+        check_topk(ids, logp, rows=T, k=4, vocab_size=V, where="dump r")
+    with pytest.raises(TopkError, match=r"\(3, 4\)"):
+        check_topk(ids[:3], logp[:3], rows=T, k=4, vocab_size=V, where="dump r")
+
+
+def test_k_out_of_range_is_refused_at_the_options_and_at_the_server():
+    for bad in (0, 1025):
+        with pytest.raises(TopkError, match="give 1 to"):
+            check_k(bad)
+    with pytest.raises(TopkError, match=r"give 1 to 300 \(vocabulary of 300\)"):
+        check_k(301, V)
+    with pytest.raises(ValueError, match="give 1 to 1024"):
+        RunOptions(store_final="topk", store_topk=2000)
+    with pytest.raises(ValueError, match="only a run with store_final 'topk'"):
+        RunOptions(store_topk=8)
+    assert RunOptions(store_final="topk").layout() == Layout(final="topk", topk=32)
+    with pytest.raises(ValueError, match="custom_params.eaglet_topk=400"):
+        DumpEncoding.from_params({"eaglet_topk": 400}, V)
+
+
+def test_a_dump_without_the_topk_it_was_asked_for_is_refused():
+    s = sample()
+    dump = Dump(s["hidden_states"], s["aux_hidden_states"], {"rid": "r", "num_tokens": str(T)})
+    with pytest.raises(DumpInvalid, match="dump r: asked for the top-4 distribution, the dump holds none"):
+        validate_dump(dump, rid="r", num_tokens=T, hidden_size=H, topk=4, vocab_size=V)
+    validate_dump(dump, rid="r", num_tokens=T, hidden_size=H)
+
+
+@pytest.mark.parametrize("store_dtype", ["model", "bf16", "fp8"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(),
+        Layout(final="loss"),
+        Layout(final="topk", topk=6),
+        Layout(aux="fp4"),
+        Layout(final="loss", aux="fp4"),
+        Layout(final="topk", topk=6, aux="fp4"),
+    ],  # fmt: skip
+    ids=lambda x: x.name,
+)
+def test_each_layout_stores_what_it_says_reads_back_and_costs_what_the_count_says(tmp_path, layout, store_dtype):
+    s = sample()
+    head = torch.randn(V, H)
+    s.update(zip(("topk_ids", "topk_logp"), encode_topk(s["hidden_states"], head, 6), strict=True))
+    path = tmp_path / "s.safetensors"
+    size = write_sample(path, s, {"rid": "r"}, store_dtype=store_dtype, layout=layout)
+    metadata = read_metadata(path)
+    assert Layout.from_metadata(metadata) == layout
+    rows = loss_rows(s["loss_mask"])
+    assert rows.tolist() == [2, 3, 4, 7, 8, 9, 10]  # the positions whose next token is a loss token
+    assert sample_is_complete(path, T, len(rows)) and sample_is_complete(path, T)
+    assert not sample_is_complete(path, T + 1, len(rows))
+    back = decode_states(open_sample(path), metadata, torch.float32)
+    tol = {"model": 1e-6, "bf16": 1e-2, "fp8": 0.07}[store_dtype]
+    if layout.final == "topk":
+        assert "hidden_states" not in back and torch.equal(back["topk_ids"], s["topk_ids"].long())
+    else:
+        hidden = back["hidden_states"]
+        kept = rows if layout.final == "loss" else torch.arange(T)
+        torch.testing.assert_close(hidden[kept], s["hidden_states"][kept], rtol=tol, atol=tol * 3)
+        dropped = torch.ones(T, dtype=torch.bool)
+        dropped[kept] = False
+        assert not hidden[dropped].any()
+        if layout.final == "loss":
+            assert not sample_is_complete(path, T, len(rows) + 1)
+    aux_err = (back["aux_hidden_states"] - s["aux_hidden_states"]).norm() / s["aux_hidden_states"].norm()
+    assert float(aux_err) < (0.12 if layout.aux == "fp4" else tol), float(aux_err)
+    itemsize = 4 if store_dtype == "model" else 2
+    expected = bytes_per_token(H, layout, store_dtype, loss_fraction=len(rows) / T, model_itemsize=itemsize) * T
+    assert 0 <= size - expected < 2048, (size, expected)  # the rest: the header
+
+
+def test_bytes_per_token_at_the_two_shapes():
+    bf16 = Layout()
+    assert bytes_per_token(576, bf16, "bf16") == 5 + 8 * 576
+    assert bytes_per_token(7168, bf16, "bf16") == 5 + 8 * 7168
+    top_fp4 = Layout(final="topk", topk=32, aux="fp4")
+    assert bytes_per_token(7168, top_fp4, "bf16") == 5 + 6 * 32 + 3 * 7168 * (0.5 + 2 / 32)
+    assert math.isclose(
+        bytes_per_token(7168, top_fp4, "bf16") / bytes_per_token(7168, bf16, "bf16"), 0.2143, abs_tol=1e-3
+    )
+    assert bytes_per_token(576, Layout(final="loss"), "fp8", loss_fraction=0.5) == 5 + 0.5 * 580 + 3 * 576 + 4
+
+
+def test_fp8_aux_states_are_never_rounded_again_to_four_bits():
+    s = sample()
+    with pytest.raises(ValueError, match="encoded from full width only"):
+        encode_states({**s, "hidden_states_scale": torch.ones(T, 1), "aux_hidden_states_scale": torch.ones(T, 1)},
+                      {"storage": "fp8_e4m3"}, "fp8", Layout(aux="fp4"))  # fmt: skip

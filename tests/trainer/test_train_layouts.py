@@ -1,0 +1,90 @@
+"""Training on the storage layouts: the loss-positions layout gives the very figures of the full one, the top-k loss
+equals the full KL when the top-k holds the whole draft vocabulary and stays below it otherwise, a top-k run and a
+4-bit run learn."""
+
+import json
+
+import pytest
+import torch
+
+from eaglet.services.trainer.topk import draft_index, topk_terms
+from eaglet.services.trainer.train import Dist, train
+from eaglet.shared.layout import Layout
+from eaglet.shared.store import checkpoints_dir
+from tests.trainer.fixtures import make_run
+from tests.trainer.test_train import small
+
+
+def full_kl(tlogp: torch.Tensor, logq: torch.Tensor) -> float:
+    return float((tlogp.exp() * (tlogp - logq)).sum())
+
+
+def test_topk_loss_is_the_full_kl_when_nothing_is_left_out_and_a_lower_bound_otherwise():
+    g = torch.Generator().manual_seed(0)
+    V, Vd, N = 40, 16, 7
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.randperm(V, generator=g)[:Vd]] = True
+    index = draft_index(t2d)
+    assert torch.equal(torch.nonzero(index >= 0).flatten(), torch.nonzero(t2d).flatten())
+    logits = torch.randn(N, V, generator=g) * 2
+    logits[:, ~t2d] = -1e4  # the whole mass inside the draft vocabulary
+    logp_full = torch.log_softmax(logits, -1)
+    logq = torch.log_softmax(torch.randn(N, Vd, generator=g), -1)
+    tlogp = torch.log_softmax(logits[:, t2d], -1)  # what the trainer forms from the final states
+    values, ids = logp_full.topk(Vd, -1)
+    kl, hits, accept, _ = topk_terms(values, index[ids], logq)
+    assert float(kl) == pytest.approx(full_kl(tlogp, logq), rel=1e-4)
+    assert float(hits) == float((logq.argmax(-1) == tlogp.argmax(-1)).sum())
+    assert float(accept) == pytest.approx(float(torch.minimum(tlogp.exp(), logq.exp()).sum()), rel=1e-4)
+    for k in (1, 4, 8):
+        values, ids = logp_full.topk(k, -1)
+        assert float(topk_terms(values, index[ids], logq)[0]) <= full_kl(tlogp, logq) + 1e-5
+
+
+def test_topk_loss_moves_the_drafter_toward_the_target_and_puts_the_tail_in_its_bucket():
+    logp = torch.log(torch.tensor([[0.6, 0.3]]))  # a tail of 0.1
+    idx = torch.tensor([[0, 1]])
+    logits = torch.zeros(1, 5, requires_grad=True)
+    opt = torch.optim.SGD([logits], lr=1.0)
+    for _ in range(500):
+        kl = topk_terms(logp, idx, torch.log_softmax(logits, -1))[0]
+        opt.zero_grad()
+        kl.backward()
+        opt.step()
+    q = torch.softmax(logits, -1)[0]
+    assert q[0].item() == pytest.approx(0.6, abs=0.02) and q[1].item() == pytest.approx(0.3, abs=0.02)
+    assert q[2:].sum().item() == pytest.approx(0.1, abs=0.02)  # not piled onto the top tokens
+    assert kl.item() < 1e-3
+
+
+def losses_of(data_dir, run_id) -> list[float]:
+    rows = (checkpoints_dir(data_dir, run_id) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x)["loss"] for x in rows]
+
+
+def test_the_loss_positions_layout_trains_exactly_as_the_full_one(redis, tmp_path, tiny_model_dir):
+    make_run(redis, tmp_path / "a", tiny_model_dir, "all", n=8)
+    make_run(redis, tmp_path / "b", tiny_model_dir, "loss", n=8, layout=Layout(final="loss"))
+    figures = [
+        train(
+            redis=redis,
+            run_id=run,
+            data_dir=tmp_path / d,
+            target_dir=tiny_model_dir,
+            cfg=small(epochs=1, heldout_fraction=0.3),
+            env=Dist(),
+        )  # fmt: skip
+        for run, d in (("all", "a"), ("loss", "b"))
+    ]
+    assert losses_of(tmp_path / "a", "all") == losses_of(tmp_path / "b", "loss")
+    assert figures[0]["heldout_loss"] == figures[1]["heldout_loss"]
+
+
+@pytest.mark.parametrize("layout", [Layout(final="topk", topk=16), Layout(aux="fp4")], ids=lambda x: x.name)
+def test_a_run_of_each_narrow_layout_learns(redis, tmp_path, tiny_model_dir, layout):
+    make_run(redis, tmp_path, tiny_model_dir, "narrow", layout=layout)
+    final = train(redis=redis, run_id="narrow", data_dir=tmp_path, target_dir=tiny_model_dir,
+                  cfg=small(epochs=6, heldout_fraction=0.3), env=Dist())  # fmt: skip
+    losses = losses_of(tmp_path, "narrow")
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
+    assert final["heldout_loss"] is not None
