@@ -108,3 +108,10 @@ def bytes_per_token(
     else:
         aux = state_bytes(width, store_dtype, model_itemsize)
     return IDS_MASK_BYTES + final + aux
+
+
+def run_bytes_per_token(options: dict | None, hidden_size: int, loss_fraction: float) -> float:
+    """What a run of these recorded options stores a token (``model`` dtype counted as 2 bytes, a GPU server's)."""
+    options = options or {}
+    return bytes_per_token(hidden_size, Layout.from_options(options), options.get("store_dtype") or "model",
+                           loss_fraction=loss_fraction)  # fmt: skip

@@ -16,6 +16,7 @@ from eaglet.shared import keys
 from eaglet.shared.alerts import StatusConfig, run_alerts, stall_limit, usual_interval
 from eaglet.shared.heartbeats import parse_inference, parse_workers
 from eaglet.shared.keys import RunKeys
+from eaglet.shared.layout import Layout, run_bytes_per_token
 from eaglet.shared.records import (
     ACTIVE_STAGES,
     EvalResult,
@@ -424,11 +425,19 @@ def _storage(meta: RunMeta, counts: dict, cluster: Cluster) -> Storage:
     written, tokens = _int(counts, "bytes") or 0, _int(counts, "tokens") or 0
     total_tokens = meta.total_tokens
     per_token = written / tokens if tokens else None
-    projected = round(per_token * total_tokens) if per_token is not None and total_tokens is not None else None
+    expected = None
+    if meta.hidden_size and total_tokens:
+        expected = run_bytes_per_token(
+            meta.options, meta.hidden_size, (meta.loss_tokens or total_tokens) / total_tokens
+        )
+    rate = per_token if per_token is not None else expected
+    projected = round(rate * total_tokens) if rate is not None and total_tokens is not None else None
     return Storage(
         bytes_written=written,
         tokens_written=tokens,
         bytes_per_token=per_token,
+        layout=Layout.from_options(meta.options).name,
+        expected_bytes_per_token=expected,
         total_tokens=total_tokens,
         projected_total_bytes=projected,
         projected_remaining_bytes=max(0, projected - written) if projected is not None else None,

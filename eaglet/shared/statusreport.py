@@ -82,8 +82,15 @@ class Storage(BaseModel):
     bytes_written: int
     tokens_written: int
     bytes_per_token: float | None
+    layout: str | None = Field(None, description="What the run keeps of the states: final state, aux states")
+    expected_bytes_per_token: float | None = Field(
+        None,
+        description="The run's storage counted (eaglet/shared/layout.py): the projection's, until a sample is stored",
+    )
     total_tokens: int | None = Field(description="Tokens of every ingested sample")
-    projected_total_bytes: int | None = Field(description="bytes_per_token x total_tokens")
+    projected_total_bytes: int | None = Field(
+        description="bytes_per_token (else expected_bytes_per_token) x total_tokens"
+    )
     projected_remaining_bytes: int | None = Field(description="What is still to be written")
     disk_free: int | None = Field(description="Free bytes on the data volume")
     disk_total: int | None

@@ -1,12 +1,15 @@
 """The status figures, read from what the writers keep, at a fixed ``now``."""
 
 import time
+from dataclasses import asdict
 
 import pytest
 
 from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.heartbeats import beat, report_inference
+from eaglet.shared.layout import bytes_per_token
 from eaglet.shared.records import EvalResult, TrainProgress, WorkerRole, WorkerState
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.status import read_run, read_status
 
@@ -36,6 +39,18 @@ def test_extraction_and_storage_figures(redis):
     assert ex.error_rate == 0.5 and [e.reason for e in ex.last_errors] == ["bad dump"]
     assert (st.bytes_written, st.tokens_written, st.bytes_per_token, st.total_tokens) == (400, 10, 40.0, 40)
     assert st.projected_total_bytes == 1600 and st.projected_remaining_bytes == 1200
+
+
+def test_the_storage_projection_counts_the_runs_layout_before_its_first_sample(redis):
+    state = RunState(redis, "top")
+    options = RunOptions(store_dtype="bf16", store_final="topk", store_aux="fp4")
+    state.create(dataset="/d/data.jsonl", model="kimi", hidden_size=7168, options=asdict(options))
+    state.start_extraction()
+    state.set_total(4, 1000)
+    st = read_run(redis, "top", config=CONFIG).run.storage
+    expected = bytes_per_token(7168, options.layout(), "bf16")  # 12,293 B: 0.21 of bf16's 57,349
+    assert st.bytes_per_token is None and st.layout == "top32+fp4"
+    assert st.expected_bytes_per_token == expected and st.projected_total_bytes == round(1000 * expected)
 
 
 def test_workers_lost_after_their_heartbeats_age(redis):
