@@ -13,8 +13,10 @@ import time
 
 import torch
 
+from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.distributed import init_distributed
 from eaglet.services.trainer.main import add_config_flags, config_from_args
-from eaglet.services.trainer.train import TrainConfig, init_distributed, train
+from eaglet.services.trainer.train import train
 from eaglet.shared.config import Settings
 from eaglet.shared.target import resolve_model_dir
 

@@ -47,9 +47,12 @@ from safetensors.torch import save_file
 
 from eaglet.services.trainer import train as trainer
 from eaglet.services.trainer.checkpoint import load_target_tensors
+from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.distributed import init_distributed
 from eaglet.services.trainer.main import add_config_flags, config_from_args
 from eaglet.services.trainer.model import drafter_config
-from eaglet.services.trainer.train import TrainConfig, init_distributed, objective_options, train
+from eaglet.services.trainer.objective import objective_options
+from eaglet.services.trainer.train import train
 from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.samples import SampleWriter
 from eaglet.shared.store import run_dir, sample_path, samples_dir, write_sample

@@ -16,7 +16,9 @@ from eaglet.services.extractor.extract import Extractor
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.services.trainer.checkpoint import load_drafter, load_target_tensors
-from eaglet.services.trainer.train import Dist, TrainConfig, train
+from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.distributed import Dist
+from eaglet.services.trainer.train import train
 from eaglet.shared.config import Settings
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState

@@ -13,8 +13,10 @@ import torch
 
 from eaglet.cli.stack import LocalStack
 from eaglet.services.ingest.jobs import ingest_new_run
+from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.distributed import Dist
 from eaglet.services.trainer.evaluate import evaluate_run
-from eaglet.services.trainer.train import Dist, TrainConfig, train
+from eaglet.services.trainer.train import train
 from eaglet.shared.config import Settings
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState

@@ -4,8 +4,9 @@ SpecForge counts it, so figures compare across draft vocabularies and with SpecF
 import torch
 import torch.nn.functional as F
 
+from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.model import Drafter, DrafterConfig
-from eaglet.services.trainer.train import TrainConfig, TTTObjective
+from eaglet.services.trainer.objective import TTTObjective
 
 V, H, VD, T = 40, 40, 8, 12
 

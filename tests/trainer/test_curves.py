@@ -10,8 +10,10 @@ import pytest
 from tensorboardX.crc32c import crc32c
 from tensorboardX.proto.event_pb2 import Event
 
+from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.curves import curves_dir
-from eaglet.services.trainer.train import Dist, TrainConfig, train
+from eaglet.services.trainer.distributed import Dist
+from eaglet.services.trainer.train import train
 from eaglet.shared.runstate import RunState
 from eaglet.shared.store import checkpoints_dir
 from tests.trainer.fixtures import make_run

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from eaglet.services.trainer import main as trainer_main
-from eaglet.services.trainer.train import TrainConfig
+from eaglet.services.trainer.config import TrainConfig
 
 FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
 

@@ -5,8 +5,9 @@ are what SpecForge defines."""
 import pytest
 import torch
 
+from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.model import Drafter, DrafterConfig
-from eaglet.services.trainer.train import TrainConfig, TTTObjective
+from eaglet.services.trainer.objective import TTTObjective
 
 V, H, T, B = 64, 32, 23, 2
 

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from eaglet.services.trainer import data
-from eaglet.services.trainer.train import Dist, TrainConfig, train
+from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.distributed import Dist
+from eaglet.services.trainer.train import train
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import checkpoints_dir, drafter_dir, samples_dir

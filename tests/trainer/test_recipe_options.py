@@ -8,8 +8,10 @@ import torch
 from safetensors import safe_open
 
 from eaglet.services.trainer.checkpoint import load_drafter
+from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.distributed import Dist
 from eaglet.services.trainer.model import Drafter, DrafterConfig
-from eaglet.services.trainer.train import Dist, TrainConfig, train
+from eaglet.services.trainer.train import train
 from eaglet.shared.store import drafter_dir
 from tests.trainer.fixtures import make_run
 from tests.trainer.test_train import small

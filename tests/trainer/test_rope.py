@@ -28,8 +28,9 @@ import torch
 from transformers import LlamaConfig
 
 from eaglet.services.trainer.checkpoint import drafter_hf_config
+from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.model import apply_rope
-from eaglet.services.trainer.train import TrainConfig, build_drafter
+from eaglet.services.trainer.train import build_drafter
 from eaglet.shared.target import model_config
 
 # DeepSeek-V3's rope_scaling (its config.json): YaRN, factor 40, mscale and mscale_all_dim 1

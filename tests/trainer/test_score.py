@@ -12,8 +12,9 @@ from safetensors.torch import save_file
 
 from eaglet.services.trainer import score
 from eaglet.services.trainer.checkpoint import CheckpointError, load_drafter
+from eaglet.services.trainer.distributed import Dist
 from eaglet.services.trainer.score import ScoreError, score_drafter
-from eaglet.services.trainer.train import Dist, train
+from eaglet.services.trainer.train import train
 from eaglet.shared.runstate import RunState
 from eaglet.shared.store import drafter_dir
 from tests.trainer.fixtures import make_run

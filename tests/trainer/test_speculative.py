@@ -5,9 +5,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglet.services.trainer import evaluate
+from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.distributed import Dist
 from eaglet.services.trainer.model import Drafter, DrafterConfig
 from eaglet.services.trainer.speculative import greedy_generate, speculative_generate
-from eaglet.services.trainer.train import Dist, TrainConfig, train
+from eaglet.services.trainer.train import train
 from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.runstate import RunState
 from tests.trainer.fixtures import make_run

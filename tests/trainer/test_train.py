@@ -12,7 +12,9 @@ from safetensors import safe_open
 
 from eaglet.services.trainer import main as trainer_main
 from eaglet.services.trainer.checkpoint import list_states
-from eaglet.services.trainer.train import Dist, TrainConfig, train
+from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.distributed import Dist
+from eaglet.services.trainer.train import train
 from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.series import read_series

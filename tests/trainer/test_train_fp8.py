@@ -5,7 +5,8 @@ import json
 import torch
 
 from eaglet.services.trainer import data
-from eaglet.services.trainer.train import Dist, train
+from eaglet.services.trainer.distributed import Dist
+from eaglet.services.trainer.train import train
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import checkpoints_dir, read_metadata, sample_path, samples_dir
 from tests.trainer.fixtures import make_run

@@ -30,7 +30,9 @@ import torch.distributed as dist
 from redis import Redis
 from redis.exceptions import RedisError
 
-from eaglet.services.trainer.train import Dist, TrainConfig, init_distributed, train
+from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.distributed import Dist, init_distributed
+from eaglet.services.trainer.train import train
 from eaglet.shared import gpustats
 from eaglet.shared.config import Settings
 from eaglet.shared.gpus import SETTING, GpuHandoffError, check_handoff, cuda_devices, visible_gpus

@@ -26,14 +26,9 @@ from redis import Redis
 
 from eaglet.services.trainer import checkpoint as ckpt
 from eaglet.services.trainer import data
-from eaglet.services.trainer.train import (
-    OovMask,
-    TrainConfig,
-    TTTObjective,
-    heldout_figures,
-    objective_options,
-    read_done,
-)
+from eaglet.services.trainer.config import OovMask, TrainConfig
+from eaglet.services.trainer.objective import TTTObjective, heldout_figures, objective_options
+from eaglet.services.trainer.train import read_done
 from eaglet.shared.config import Settings
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet

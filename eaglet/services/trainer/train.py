@@ -24,286 +24,34 @@ batch's, the same as one process would report on it."""
 import json
 import logging
 import math
-import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 from redis import Redis
 from redis.client import NEVER_DECODE
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
 from eaglet.services.trainer import checkpoint as ckpt
 from eaglet.services.trainer import data
-from eaglet.services.trainer.curves import Curves, curves_dir
+from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.curves import curves_dir
+from eaglet.services.trainer.distributed import Dist, distribute
 from eaglet.services.trainer.model import Drafter, DrafterConfig, drafter_config
+from eaglet.services.trainer.objective import TTTObjective, heldout_figures, objective_options, states_dtype
+from eaglet.services.trainer.reporter import Reporter
 from eaglet.services.trainer.vocab import build_vocab, count_tokens
 from eaglet.shared.keys import RunKeys
 from eaglet.shared.records import RunMeta, TrainProgress
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
-from eaglet.shared.series import TrainPoint, train_series
+from eaglet.shared.series import TrainPoint
 from eaglet.shared.store import checkpoints_dir, drafter_dir, read_metadata, sample_path, samples_dir
 from eaglet.shared.target import model_config
 
 log = logging.getLogger(__name__)
-
-
-Attention = Literal["auto", "math", "flex"]
-OovMask = Literal["auto", "on", "off"]
-Loss = Literal["kl", "lk-alpha", "lk-lambda"]
-
-
-@dataclass(kw_only=True, slots=True)
-class TrainConfig:
-    """The trainer's options. Each field is a flag of ``eaglet.services.trainer.main`` (``ttt_steps``:
-    ``--ttt-steps``), its docstring the flag's help."""
-
-    ttt_steps: int = 7
-    """Unrolled training-time-test steps; the drafter is trained to draft this many tokens in a chain."""
-    step_weight: float = 0.8
-    """Loss weight of step i is step_weight ** i."""
-    loss: Loss = "kl"
-    """kl: forward KL(target || drafter) over the draft vocabulary | lk-alpha: minus the log of the expected
-    acceptance sum_v min(p_v, q_v) (p: the target's probabilities over its whole vocabulary, on the draft
-    vocabulary's tokens; q: the drafter's) | lk-lambda: w KL + (1 - w) (1 - acceptance), w = lk_kl_scale *
-    exp(-lk_kl_decay * acceptance): SpecForge's acceptance-aware LK losses, per step, then weighted as above."""
-    lk_kl_scale: float = 1.0
-    """lk-lambda's weight of the KL term at zero acceptance."""
-    lk_kl_decay: float = 1.0
-    """lk-lambda: how fast the KL term's weight falls as the acceptance grows."""
-    draft_vocab_size: int = 32768
-    """Clipped to the target vocabulary. 32K suits 128K+ vocabularies; 8K-16K for small models."""
-    draft_head_dim: int = 0
-    """The drafter's head size (0: the target's, or 128 for latent-attention targets such as DeepSeek-V3); with
-    another value the drafter has hidden_size / draft_head_dim heads."""
-    draft_kv_heads: int = 0
-    """The drafter's KV heads (0: the target's, or 8 for latent-attention targets)."""
-    epochs: int = 10
-    """Full passes over the training split (when max_steps is 0). With ``tokens_per_batch`` 2048 a typical sample
-    (1-4K tokens) is about one step per epoch: as many updates per sample as SpecForge's published recipe
-    (batch 1 per GPU, 10 epochs, lr 1e-4). bench/recipe.py: more updates per sample, better held-out accuracy."""
-    max_steps: int = 0
-    """Stop after this many optimizer steps (0: ``epochs`` full passes). The schedule spans the total either way."""
-    tokens_per_batch: int = 2048
-    """Padded tokens per batch per process; samples are grouped by length under this budget (a longer one trains
-    alone)."""
-    max_len: int = 8192
-    """Longer samples are cut to this many tokens."""
-    lr: float = 1e-4
-    """Peak learning rate (AdamW), reached after the warmup, then cosine decay."""
-    min_lr_ratio: float = 0.0
-    """The cosine decay ends at lr * min_lr_ratio."""
-    warmup_ratio: float = 0.015
-    """Share of the steps over which the learning rate rises linearly to lr."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 0.5
-    """Gradients are clipped to this global norm."""
-    checkpoint_every: int = 500
-    """Optimizer steps between checkpoints (each followed by a held-out evaluation)."""
-    keep_checkpoints: int = 2
-    """Newest trainer checkpoints kept; older ones are deleted."""
-    heldout_fraction: float = 0.05
-    """Share of the samples held out of training (chosen by a hash of the sample id) to measure loss on."""
-    seed: int = 0
-    """Seeds the fresh drafter's weights and the batch order."""
-    loader_workers: int = 2
-    """DataLoader processes reading samples ahead of the step (0: read in the loop)."""
-    attention: Attention = "auto"
-    """math (scores materialized: short samples, CPU) | flex (block-sparse, O(T * steps) memory) | auto: flex on GPU."""
-    init_from_target: bool = True
-    """Start lm_head from the target's LM head rows of the draft vocabulary and norm from its final norm."""
-    norm_before_fc: bool = False
-    """An RMSNorm over the concatenated auxiliary states before fc (written to config.json as ``norm_before_fc``,
-    which SGLang and vLLM load)."""
-    loss_chunk: int = 8192
-    """Positions per chunk of the loss. A batch with more computes the target's distribution, the top-token check
-    and the loss chunk by chunk, recomputing each chunk's logits in the backward pass instead of keeping
-    positions x vocabulary tensors (one more LM-head forward); 0: never chunked."""
-    checkpoint_steps: bool = False
-    """Recompute each unrolled step's activations in the backward pass instead of keeping them (about a third more
-    compute): for samples too long for memory otherwise."""
-    aux_noise: float = 0.0
-    """Uniform noise in [-a, a] added to the auxiliary states while training (never to held-out figures): the
-    drafter meets the engine's states, computed in other batches, not the stored ones. speculators uses 0.05."""
-    oov_mask: OovMask = "auto"
-    """on | off | auto (on on GPU): drop positions whose target top token (over the full vocabulary) is not in the
-    draft vocabulary. Costs a full-vocabulary projection per token; off on CPU for speed."""
-    log_every: int = 10
-    """Optimizer steps between progress reports (Redis hash and log)."""
-
-    def __post_init__(self):
-        for name in (
-            "ttt_steps", "draft_vocab_size", "tokens_per_batch", "max_len", "checkpoint_every", "keep_checkpoints",
-            "log_every",
-        ):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be at least 1, got {getattr(self, name)}")
-        if self.epochs < 1 and self.max_steps < 1:
-            raise ValueError("TrainConfig.epochs or max_steps must be at least 1")
-        if not 0 < self.lr < 1:
-            raise ValueError(f"TrainConfig.lr must be in (0, 1), got {self.lr}")
-        if not 0 <= self.heldout_fraction < 1:
-            raise ValueError(f"TrainConfig.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
-        for name in ("draft_head_dim", "draft_kv_heads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be 0 (the rule) or more, got {getattr(self, name)}")
-        if self.loss_chunk < 0:
-            raise ValueError(f"TrainConfig.loss_chunk must be 0 (never chunked) or more, got {self.loss_chunk}")
-        if self.aux_noise < 0:
-            raise ValueError(f"TrainConfig.aux_noise must be 0 (off) or more, got {self.aux_noise}")
-        if self.loader_workers < 0:
-            raise ValueError(
-                f"TrainConfig.loader_workers must be 0 (read in the loop) or more, got {self.loader_workers}"
-            )
-        for name, choices in (("attention", Attention), ("oov_mask", OovMask), ("loss", Loss)):
-            if getattr(self, name) not in get_args(choices):
-                raise ValueError(
-                    f"TrainConfig.{name} must be one of {', '.join(get_args(choices))}, got {getattr(self, name)!r}"
-                )
-
-
-@dataclass(slots=True)
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed() -> Dist:
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; a plain ``python -m`` run is one process."""
-    import os
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return Dist(rank, world, local, device)
-
-
-class TTTObjective(nn.Module):
-    """Drafter + loss in one forward, so DDP sees every parameter use inside ``forward``."""
-
-    def __init__(self, drafter: Drafter, target_head: torch.Tensor, cfg: TrainConfig, attention: str, oov: bool):
-        super().__init__()
-        self.drafter, self.cfg, self.attention, self.oov = drafter, cfg, attention, oov
-        self.register_buffer("target_head", target_head, persistent=False)  # [V, H], frozen
-        self.register_buffer("draft_ids", torch.zeros(drafter.cfg.draft_vocab_size, dtype=torch.long), persistent=False)
-
-    def set_vocab(self, draft_ids: torch.Tensor) -> None:
-        self.draft_ids.copy_(draft_ids)
-        self.drafter.set_vocab(draft_ids)
-
-    def spans(self, n: int) -> list[tuple[int, int]]:
-        """[lo, hi) chunks of ``n`` positions, ``cfg.loss_chunk`` at most each (one chunk when 0)."""
-        size = self.cfg.loss_chunk or n
-        return [(lo, min(lo + size, n)) for lo in range(0, n, size)] or [(0, 0)]
-
-    @torch.no_grad()
-    def target_view(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden [B, T, H] (target's final normed states) -> (positions whose target top token over the whole
-        vocabulary is in the draft vocabulary [B, T], all when the OOV mask is off; the log of the target's
-        normalizer over the whole vocabulary [B, T], for the LK losses, else None). By chunks of positions: the
-        full-vocabulary logits of a long sample would be T x V."""
-        lk = self.cfg.loss != "kl"
-        if not (self.oov or lk):
-            return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device), None
-        head = self.target_head.T.to(hidden.dtype)
-        tops, lses = [], []
-        for lo, hi in self.spans(hidden.shape[1]):
-            logits = hidden[:, lo:hi] @ head  # [B, hi - lo, V]
-            tops.append(logits.argmax(-1))
-            if lk:
-                lses.append(torch.logsumexp(logits.float(), -1))
-        top = torch.cat(tops, 1)
-        usable = self.drafter.t2d[top] if self.oov else torch.ones_like(top, dtype=torch.bool)
-        return usable, torch.cat(lses, 1) if lk else None
-
-    def chunk_terms(self, lo, hi, head, hidden, lse, outs: tuple, masks: tuple) -> torch.Tensor:
-        """Per step, over the target positions [lo, hi): [KL summed, right top tokens, expected acceptance summed,
-        its log summed] (the last two 0 for the KL loss). The target's log-probs over the draft vocabulary are
-        formed here, once for every step that predicts from them (step i at drafter position t predicts from
-        target position t + 1 + i)."""
-        with torch.no_grad():
-            logits = (hidden[:, lo:hi] @ head).float()  # [B, hi - lo, Vd]
-            tlogp = torch.log_softmax(logits, -1)
-            full = logits - lse[:, lo:hi, None] if lse is not None else None  # log p over the whole vocabulary
-        sums = []
-        for i, (out, m) in enumerate(zip(outs, masks, strict=True)):
-            t0, t1 = max(lo - 1 - i, 0), min(hi - 1 - i, m.shape[1])
-            mm = m[:, t0 : max(t0, t1)]
-            rows = slice(t0 + 1 + i - lo, t0 + 1 + i - lo + mm.shape[1])
-            lp = tlogp[:, rows][mm]  # [N, Vd]
-            logq = torch.log_softmax(self.drafter.logits(out[:, t0 : t0 + mm.shape[1]][mm]).float(), -1)
-            kl = (lp.exp() * (lp - logq)).sum()
-            hits = (logq.argmax(-1) == lp.argmax(-1)).sum().float().detach()
-            if full is None:
-                sums.append(torch.stack([kl, hits, torch.zeros_like(kl), torch.zeros_like(kl)]))
-                continue
-            accept = torch.minimum(full[:, rows][mm].exp(), logq.exp()).sum(-1)  # [N]
-            log_accept = torch.where(accept > 0, accept.clamp_min(1e-30).log(), torch.zeros_like(accept))
-            sums.append(torch.stack([kl, hits, accept.sum(), log_accept.sum()]))
-        return torch.stack(sums, 1)  # [4, steps]
-
-    def forward(self, input_ids, loss_mask, hidden_states, aux_hidden_states):
-        """(weighted loss, per-step losses [ttt_steps], per-step accuracies [ttt_steps]) as this process's share of
-        the global batch while training across processes: summed over the processes they are what one process
-        would compute on the whole batch. Otherwise (one process, evaluation) the figures of this batch alone."""
-        T = input_ids.shape[1]
-        usable, lse = self.target_view(hidden_states)
-        if self.training and self.cfg.aux_noise > 0:
-            aux_hidden_states = aux_hidden_states + torch.empty_like(aux_hidden_states).uniform_(
-                -self.cfg.aux_noise, self.cfg.aux_noise
-            )
-        outs = self.drafter.forward_ttt(input_ids, aux_hidden_states, self.cfg.ttt_steps, self.attention,
-                                        checkpoint=self.cfg.checkpoint_steps and self.training)  # fmt: skip
-        # step i at position t predicts token t + 2 + i from the target's logits at t + 1 + i; a step past the
-        # batch's length has no position here (but may elsewhere: every process counts every step)
-        masks = tuple(loss_mask[:, 2 + i :] & usable[:, 1 + i : T - 1] for i in range(len(outs)))  # [B, T-2-i]
-        # accuracy is over every loss position, the unusable ones counting as misses: comparable across vocabularies
-        positions = [loss_mask[:, 2 + i :].sum() for i in range(len(outs))]
-        counts, positions = self.global_counts(torch.stack([m.sum() for m in masks] + positions)).split(len(outs))
-        head = self.target_head[self.draft_ids].T.to(hidden_states.dtype)  # [H, Vd]
-        spans = self.spans(T)
-        sums = torch.zeros(4, len(outs), device=input_ids.device)
-        for lo, hi in spans:
-            args = (lo, hi, head, hidden_states, lse, tuple(outs), masks)
-            if len(spans) > 1 and torch.is_grad_enabled():  # keep a chunk's inputs only; its logits are recomputed
-                sums = sums + torch.utils.checkpoint.checkpoint(self.chunk_terms, *args, use_reentrant=False)
-            else:
-                sums = sums + self.chunk_terms(*args)
-        kl, hits, accept, log_accept = sums / torch.stack([counts, positions, counts, counts])
-        if self.cfg.loss == "lk-alpha":
-            losses = -log_accept
-        elif self.cfg.loss == "lk-lambda":
-            w = self.cfg.lk_kl_scale * torch.exp(-self.cfg.lk_kl_decay * accept.detach())
-            losses = w * kl + (1 - w) * (1 - accept)
-        else:
-            losses = kl
-        weights = self.cfg.step_weight ** torch.arange(len(outs), device=input_ids.device, dtype=losses.dtype)
-        return (weights * losses).sum(), losses.detach(), hits
-
-    def global_counts(self, local: torch.Tensor) -> torch.Tensor:
-        """Position counts (per step): over every process's batch while training across processes, so the loss is
-        the mean over the global batch's positions whatever their split, as on one process."""
-        counts = local.float()
-        if self.training and dist.is_initialized():
-            dist.all_reduce(counts)
-        return counts.clamp(min=1)
 
 
 def build_drafter(
@@ -358,61 +106,6 @@ def read_done(redis: Redis, run_id: str, total: int) -> list[int]:
     return data.done_indexes(bitmap, total)
 
 
-class Reporter:
-    """Progress of rank 0 to Redis, the console bar, metrics.jsonl and the TensorBoard curves; other ranks report
-    nothing."""
-
-    def __init__(self, state: RunState | None, folder: Path, curves_folder: Path, enabled: bool):
-        self.state, self.enabled = state, enabled
-        self.series = train_series(state.redis, state.run_id) if state is not None else None
-        self.metrics = folder / "metrics.jsonl"
-        self.curves = Curves(curves_folder) if enabled else None
-        self.bar: Progress | None = None
-        self.task = None
-
-    def set(self, progress: TrainProgress) -> None:
-        if self.enabled and self.state is not None:
-            self.state.update_train(replace(progress, updated_at=time.time()))
-
-    def point(self, point: TrainPoint, *, last: bool) -> None:
-        """The report's figures into the run's capped training series (the page's charts); ``last``: the final step."""
-        if self.enabled and self.series is not None:
-            self.series.append(point.step, point, close=last)
-
-    def start_bar(self, total: int, done: int) -> None:
-        if self.enabled and sys.stderr.isatty():
-            columns = [TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
-            columns += [TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
-            self.bar = Progress(*columns)
-            self.task = self.bar.add_task("train", total=total, completed=done, info="")
-            self.bar.start()
-
-    def step(self, step: int, info: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, info=info)
-
-    def record(self, row: dict) -> None:
-        if self.enabled:
-            with open(self.metrics, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            self.curves.step(row["step"], row["loss"], row["acc"], row["lr"], row["grad_norm"])
-
-    def throughput(self, step: int, tokens_per_s: float) -> None:
-        if self.enabled:
-            self.curves.throughput(step, tokens_per_s)
-
-    def heldout(self, step: int, figures: dict) -> None:
-        self.set(TrainProgress(**figures))
-        if self.enabled and figures:
-            self.curves.heldout(step, figures["heldout_loss"], figures["heldout_acc"])
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-        if self.curves is not None:
-            self.curves.close()
-
-
 @dataclass(slots=True)
 class Session:
     """One training in progress: its run, its model and optimizer, and where it stands."""
@@ -444,11 +137,6 @@ class Session:
     @property
     def dtype(self) -> torch.dtype:
         return states_dtype(self.env.device)
-
-
-def states_dtype(device: torch.device) -> torch.dtype:
-    """The dtype the stored states are read in on ``device`` (the objective runs under bf16 autocast on CUDA)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def train(
@@ -544,22 +232,6 @@ def make_objective(
     objective = TTTObjective(drafter, target_head, cfg, attention, oov).to(env.device)
     objective.set_vocab(draft_ids.to(env.device))
     return objective
-
-
-def objective_options(cfg: TrainConfig, device: torch.device) -> tuple[str, bool]:
-    """(attention implementation, OOV mask on) of the objective on ``device``: ``auto`` resolved."""
-    gpu = device.type == "cuda"
-    attention = cfg.attention if cfg.attention != "auto" else ("flex" if gpu else "math")
-    return attention, cfg.oov_mask == "on" or (cfg.oov_mask == "auto" and gpu)
-
-
-def distribute(objective: TTTObjective, env: Dist) -> nn.Module:
-    if env.world == 1:
-        return objective
-    device_ids = [env.local_rank] if env.device.type == "cuda" else None
-    # the buffers (the target's LM head and embedding, the vocabulary maps) are the same everywhere and never change:
-    # re-sending them before every forward would move the whole LM head each step
-    return nn.parallel.DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False)
 
 
 def epoch_batches(items: list[data.Item], cfg: TrainConfig, env: Dist, epoch: int) -> list[list[data.Item]]:
@@ -695,36 +367,6 @@ def heldout(s: Session) -> dict:
         max_len=s.cfg.max_len, device=s.env.device, rank=s.env.rank, world=s.env.world,
     )  # fmt: skip
     return {k: figures[k] for k in ("heldout_loss", "heldout_acc")}
-
-
-@torch.no_grad()
-def heldout_figures(
-    objective: TTTObjective, items: list[data.Item], *, data_dir: Path, run_id: str, tokens_per_batch: int,
-    max_len: int, device: torch.device, rank: int = 0, world: int = 1,
-) -> dict:  # fmt: skip
-    """The held-out figures of ``objective`` on ``items`` (a run's held-out split), the training's and any saved
-    drafter's alike (``score``): the mean over the batches (fixed: seed 0, epoch 0) of the weighted TTT loss and of
-    each step's accuracy, with ``samples`` and ``tokens`` (after the ``max_len`` cut) of the split. Across
-    processes each evaluates every world-th batch and every process gets the whole split's figures."""
-    batches = data.make_batches(items, tokens_per_batch, 0, 0)[rank::world]
-    was_training = objective.training
-    objective.eval()
-    sums = torch.zeros(objective.cfg.ttt_steps + 2, device=device)  # loss, accuracy per step, batches
-    for batch in data.BatchSet(batches, data_dir, run_id, states_dtype(device), max_len):
-        b = {k: v.to(device) for k, v in batch.items()}
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, _, acc = objective(b["input_ids"], b["loss_mask"], b["hidden_states"], b["aux_hidden_states"])
-        sums += torch.cat([loss.float()[None], acc.float(), torch.ones(1, device=device)])
-    objective.train(was_training)
-    if world > 1:
-        dist.all_reduce(sums)
-    loss, *acc = (sums[:-1] / sums[-1]).tolist()
-    return {
-        "heldout_loss": round(loss, 5),
-        "heldout_acc": [round(a, 4) for a in acc],
-        "samples": len(items),
-        "tokens": sum(min(it.length, max_len) for it in items),  # what collate keeps of each
-    }
 
 
 def eos_ids(target_dir: Path) -> list[int]:

@@ -1,0 +1,119 @@
+"""The trainer's options: one dataclass, checked when it is built. Each field is a flag of
+``eaglet.services.trainer.main``."""
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+Attention = Literal["auto", "math", "flex"]
+OovMask = Literal["auto", "on", "off"]
+Loss = Literal["kl", "lk-alpha", "lk-lambda"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The trainer's options. Each field is a flag of ``eaglet.services.trainer.main`` (``ttt_steps``:
+    ``--ttt-steps``), its docstring the flag's help."""
+
+    ttt_steps: int = 7
+    """Unrolled training-time-test steps; the drafter is trained to draft this many tokens in a chain."""
+    step_weight: float = 0.8
+    """Loss weight of step i is step_weight ** i."""
+    loss: Loss = "kl"
+    """kl: forward KL(target || drafter) over the draft vocabulary | lk-alpha: minus the log of the expected
+    acceptance sum_v min(p_v, q_v) (p: the target's probabilities over its whole vocabulary, on the draft
+    vocabulary's tokens; q: the drafter's) | lk-lambda: w KL + (1 - w) (1 - acceptance), w = lk_kl_scale *
+    exp(-lk_kl_decay * acceptance): SpecForge's acceptance-aware LK losses, per step, then weighted as above."""
+    lk_kl_scale: float = 1.0
+    """lk-lambda's weight of the KL term at zero acceptance."""
+    lk_kl_decay: float = 1.0
+    """lk-lambda: how fast the KL term's weight falls as the acceptance grows."""
+    draft_vocab_size: int = 32768
+    """Clipped to the target vocabulary. 32K suits 128K+ vocabularies; 8K-16K for small models."""
+    draft_head_dim: int = 0
+    """The drafter's head size (0: the target's, or 128 for latent-attention targets such as DeepSeek-V3); with
+    another value the drafter has hidden_size / draft_head_dim heads."""
+    draft_kv_heads: int = 0
+    """The drafter's KV heads (0: the target's, or 8 for latent-attention targets)."""
+    epochs: int = 10
+    """Full passes over the training split (when max_steps is 0). With ``tokens_per_batch`` 2048 a typical sample
+    (1-4K tokens) is about one step per epoch: as many updates per sample as SpecForge's published recipe
+    (batch 1 per GPU, 10 epochs, lr 1e-4). bench/recipe.py: more updates per sample, better held-out accuracy."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0: ``epochs`` full passes). The schedule spans the total either way."""
+    tokens_per_batch: int = 2048
+    """Padded tokens per batch per process; samples are grouped by length under this budget (a longer one trains
+    alone)."""
+    max_len: int = 8192
+    """Longer samples are cut to this many tokens."""
+    lr: float = 1e-4
+    """Peak learning rate (AdamW), reached after the warmup, then cosine decay."""
+    min_lr_ratio: float = 0.0
+    """The cosine decay ends at lr * min_lr_ratio."""
+    warmup_ratio: float = 0.015
+    """Share of the steps over which the learning rate rises linearly to lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 0.5
+    """Gradients are clipped to this global norm."""
+    checkpoint_every: int = 500
+    """Optimizer steps between checkpoints (each followed by a held-out evaluation)."""
+    keep_checkpoints: int = 2
+    """Newest trainer checkpoints kept; older ones are deleted."""
+    heldout_fraction: float = 0.05
+    """Share of the samples held out of training (chosen by a hash of the sample id) to measure loss on."""
+    seed: int = 0
+    """Seeds the fresh drafter's weights and the batch order."""
+    loader_workers: int = 2
+    """DataLoader processes reading samples ahead of the step (0: read in the loop)."""
+    attention: Attention = "auto"
+    """math (scores materialized: short samples, CPU) | flex (block-sparse, O(T * steps) memory) | auto: flex on GPU."""
+    init_from_target: bool = True
+    """Start lm_head from the target's LM head rows of the draft vocabulary and norm from its final norm."""
+    norm_before_fc: bool = False
+    """An RMSNorm over the concatenated auxiliary states before fc (written to config.json as ``norm_before_fc``,
+    which SGLang and vLLM load)."""
+    loss_chunk: int = 8192
+    """Positions per chunk of the loss. A batch with more computes the target's distribution, the top-token check
+    and the loss chunk by chunk, recomputing each chunk's logits in the backward pass instead of keeping
+    positions x vocabulary tensors (one more LM-head forward); 0: never chunked."""
+    checkpoint_steps: bool = False
+    """Recompute each unrolled step's activations in the backward pass instead of keeping them (about a third more
+    compute): for samples too long for memory otherwise."""
+    aux_noise: float = 0.0
+    """Uniform noise in [-a, a] added to the auxiliary states while training (never to held-out figures): the
+    drafter meets the engine's states, computed in other batches, not the stored ones. speculators uses 0.05."""
+    oov_mask: OovMask = "auto"
+    """on | off | auto (on on GPU): drop positions whose target top token (over the full vocabulary) is not in the
+    draft vocabulary. Costs a full-vocabulary projection per token; off on CPU for speed."""
+    log_every: int = 10
+    """Optimizer steps between progress reports (Redis hash and log)."""
+
+    def __post_init__(self):
+        for name in (
+            "ttt_steps", "draft_vocab_size", "tokens_per_batch", "max_len", "checkpoint_every", "keep_checkpoints",
+            "log_every",
+        ):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.epochs < 1 and self.max_steps < 1:
+            raise ValueError("TrainConfig.epochs or max_steps must be at least 1")
+        if not 0 < self.lr < 1:
+            raise ValueError(f"TrainConfig.lr must be in (0, 1), got {self.lr}")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"TrainConfig.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        for name in ("draft_head_dim", "draft_kv_heads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be 0 (the rule) or more, got {getattr(self, name)}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"TrainConfig.loss_chunk must be 0 (never chunked) or more, got {self.loss_chunk}")
+        if self.aux_noise < 0:
+            raise ValueError(f"TrainConfig.aux_noise must be 0 (off) or more, got {self.aux_noise}")
+        if self.loader_workers < 0:
+            raise ValueError(
+                f"TrainConfig.loader_workers must be 0 (read in the loop) or more, got {self.loader_workers}"
+            )
+        for name, choices in (("attention", Attention), ("oov_mask", OovMask), ("loss", Loss)):
+            if getattr(self, name) not in get_args(choices):
+                raise ValueError(
+                    f"TrainConfig.{name} must be one of {', '.join(get_args(choices))}, got {getattr(self, name)!r}"
+                )
