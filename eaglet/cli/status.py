@@ -15,17 +15,11 @@ from rich.table import Table
 from rich.text import Text
 
 from eaglet.shared import statustext as words
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.config import StatusSettings
 from eaglet.shared.records import FINISHED_STAGES
-from eaglet.shared.status import (
-    Cluster,
-    InferenceStatus,
-    RunStatus,
-    StatusConfig,
-    disk_usage,
-    read_run,
-    read_status,
-)
+from eaglet.shared.status import disk_usage, read_run, read_status
+from eaglet.shared.statusreport import Cluster, InferenceStatus, RunStatus
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

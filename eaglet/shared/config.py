@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.records import HEARTBEAT_INTERVAL_S, LOST_AFTER_BEATS
-from eaglet.shared.status import StatusConfig
 
 
 class Settings(BaseSettings):

@@ -20,7 +20,7 @@ from redis import Redis
 from eaglet.shared import keys
 from eaglet.shared.keys import RunKeys
 from eaglet.shared.records import EvalResult, WorkerRole
-from eaglet.shared.status import RunStatus, WorkerStatus
+from eaglet.shared.statusreport import RunStatus, WorkerStatus
 
 SERIES_CAP = 256
 """Points a series keeps at most (even: the newest point survives a halving)."""

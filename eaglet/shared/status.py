@@ -8,279 +8,43 @@ so a read costs the same at 1 K samples and at 10 M.
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, Field
 from redis import Redis
 
 from eaglet.shared import keys
+from eaglet.shared.alerts import StatusConfig, run_alerts, stall_limit, usual_interval
 from eaglet.shared.heartbeats import parse_inference, parse_workers
 from eaglet.shared.keys import RunKeys
 from eaglet.shared.records import (
     ACTIVE_STAGES,
-    HEARTBEAT_INTERVAL_S,
-    LOST_AFTER_BEATS,
-    TRAINER_STAGES,
     EvalResult,
     GpuBeat,
-    GpuRole,
-    GpuStat,
     RunMeta,
     Stage,
     TrainProgress,
     WorkerBeat,
-    WorkerRole,
 )
 from eaglet.shared.runstate import RECENT_CAP
-from eaglet.shared.statustext import describe, duration
+from eaglet.shared.statusreport import (
+    Cluster,
+    ErrorEntry,
+    Extraction,
+    GpuHostStatus,
+    InferenceStatus,
+    Regeneration,
+    RunReport,
+    RunStatus,
+    StatusReport,
+    Storage,
+    Training,
+    WorkerStatus,
+)
+from eaglet.shared.statustext import describe
 
 RATE_SAMPLES = 256
 """Newest completions read for the rates: when all of them lie inside the window, the window shrinks to the
 time they span. Reading all RECENT_CAP entries costs ~5 ms of parsing per request for no better figure."""
-AlertKind = Literal["stalled", "workers_lost", "trainer_lost", "disk", "error_rate"]
-
-
-@dataclass(kw_only=True, slots=True)
-class StatusConfig:
-    """Thresholds of the figures and alerts. Built from settings by the entry points."""
-
-    window_s: float = 60.0
-    """Rates (samples/s, tokens/s) and the recent error rate are taken over this many seconds."""
-    stall_factor: float = 5.0
-    """Stalled: no completion for this many times the usual interval between completions..."""
-    stall_min_s: float = 60.0
-    """...and never for less than this (a run of a few slow samples is not stalled)."""
-    lost_after_s: float = LOST_AFTER_BEATS * HEARTBEAT_INTERVAL_S
-    """A worker whose heartbeat is older than this is lost (a few heartbeat intervals)."""
-    forget_after_s: float = 300.0
-    """A worker, server or GPU report silent for this long past ``lost_after_s`` leaves the tables (a dead worker is
-    then only counted, in ``workers_gone``): what died minutes ago is the run's history, not its present."""
-    eta_hold_min_s: float = 15.0
-    """The ETA is withheld (the run is stalled) while no completion came for ``stall_factor`` times the usual
-    interval, and never sooner than this or ``stall_min_s``: a batching server finishes many samples at once, then
-    none for a few seconds. The stalled alert waits for ``stall_min_s``."""
-    error_rate_threshold: float = 0.05
-    """Alert when the share of failed attempts goes above this."""
-    error_rate_min_attempts: int = 10
-    """...once at least this many attempts were made: two errors in the first three samples are noise."""
-    last_errors: int = 10
-    """How many of the newest errors each run shows."""
-
-    def __post_init__(self):
-        for name in ("window_s", "stall_factor", "stall_min_s", "lost_after_s", "forget_after_s", "eta_hold_min_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"status config {name}={getattr(self, name)}: must be > 0")
-        if not 0 <= self.error_rate_threshold <= 1:
-            raise ValueError(f"error_rate_threshold={self.error_rate_threshold}: give a share between 0 and 1")
-
-
-class ErrorEntry(BaseModel):
-    index: int = Field(description="Sample index; -1 for an ingest error (a bad line)")
-    sample_id: str = Field(description="Sample id, or file:line for an ingest error")
-    reason: str
-    worker: str = ""
-    final: bool = Field(False, description="True if the sample was given up (recorded as failed)")
-    ts: float
-
-
-class Extraction(BaseModel):
-    total: int | None = Field(description="Samples in the run; null while ingest is still counting them")
-    done: int
-    failed: int
-    in_flight: int
-    remaining: int | None
-    percent: float | None = Field(description="Samples with an outcome (done or failed) over total, in %")
-    samples_per_s: float = Field(description="Completions per second over the recent window")
-    tokens_per_s: float
-    eta_s: float | None = Field(
-        description="Tokens of the samples left over tokens_per_s (samples differ in length, tokens are the work); "
-        "null when unknown"
-    )
-    tokens_remaining: int | None = Field(None, description="Tokens of the samples without an outcome")
-    stalled_since: float | None = Field(
-        None,
-        description="When the newest sample completed, while none has for longer than the usual interval "
-        "allows: the ETA is withheld (null) until samples complete again",
-    )
-    error_rate: float | None = Field(description="Failed samples over samples with an outcome")
-    recent_error_rate: float | None = Field(description="Errored attempts over all attempts in the recent window")
-    recent_attempts: int = Field(description="Attempts (completions and errors) in the recent window")
-    errors: int = Field(description="Errors recorded so far, transient ones and ingest errors included")
-    retries: int
-    started_at: float | None
-    completed_at: float | None
-    last_done_at: float | None
-    seconds_since_last_done: float | None
-    last_errors: list[ErrorEntry]
-    wall_s: float | None = Field(None, description="From the start of extraction to its end, once complete")
-    mean_samples_per_s: float | None = Field(None, description="Samples with an outcome over wall_s, once complete")
-    mean_tokens_per_s: float | None = Field(None, description="Tokens stored over wall_s, once complete")
-
-
-class Regeneration(BaseModel):
-    total: int | None = Field(description="Prompts in the input; null while it is being cut into batches")
-    done: int
-    failed: int = Field(description="Prompts given up: bad lines, or the endpoint kept failing (see last_errors)")
-    remaining: int | None
-    percent: float | None
-    prompts_per_s: float = Field(description="Prompts answered per second over the recent window")
-    tokens_in: int = Field(description="Prompt tokens sent, every turn of every conversation")
-    tokens_out: int = Field(description="Tokens the target wrote")
-    tokens_out_per_s: float
-    eta_s: float | None = Field(
-        description="Prompts left over prompts_per_s: an answer's length is not known before it is written"
-    )
-    retries: int = Field(description="Requests tried again (429, 5xx, timeouts)")
-    error_rate: float | None = Field(description="Failed prompts over prompts with an outcome")
-    started_at: float | None
-    completed_at: float | None = Field(description="When the regenerated file was written")
-    last_done_at: float | None
-    seconds_since_last_done: float | None
-    stalled_since: float | None = Field(None, description="As extraction's: the ETA is withheld meanwhile")
-    wall_s: float | None = Field(None, description="From the start of regeneration to the file, once written")
-    mean_prompts_per_s: float | None = None
-    mean_tokens_out_per_s: float | None = None
-
-
-class Storage(BaseModel):
-    bytes_written: int
-    tokens_written: int
-    bytes_per_token: float | None
-    total_tokens: int | None = Field(description="Tokens of every ingested sample")
-    projected_total_bytes: int | None = Field(description="bytes_per_token x total_tokens")
-    projected_remaining_bytes: int | None = Field(description="What is still to be written")
-    disk_free: int | None = Field(description="Free bytes on the data volume")
-    disk_total: int | None
-
-
-class Training(BaseModel):
-    step: int | None
-    total_steps: int | None
-    percent: float | None
-    loss: float | None
-    accuracy: float | None = Field(description="Top-1 accuracy of the first draft position")
-    accuracy_per_position: list[float] | None = Field(description="One accuracy per training-time-test step")
-    tokens_per_s: float | None
-    eta_s: float | None
-    last_checkpoint: str | None
-    state: str | None = Field(description="The trainer's state, from the run's stage: waiting, training, done, failed")
-    error: str | None = Field(description="Why the training failed, when it did")
-    seconds_since_update: float | None
-    seconds_since_beat: float | None = Field(description="Age of the trainer process's heartbeat")
-
-
-class Alert(BaseModel):
-    kind: AlertKind
-    message: str
-
-
-class RunStatus(BaseModel):
-    run_id: str
-    stage: Stage
-    created_at: float | None
-    dataset: str | None
-    model: str | None
-    error: str | None = Field(description="Why the run failed, when it did")
-    regeneration: Regeneration | None = Field(None, description="Only for a run that starts with regeneration")
-    extraction: Extraction
-    storage: Storage
-    training: Training
-    evaluation: dict[str, float | str] = Field(description="Acceptance length and friends, once evaluated")
-    alerts: list[Alert]
-    verdict: str = Field("", description="In a few words: running, stalled for 3 min ..., waiting for GPUs, "
-                         "training, done, failed: reason")  # fmt: skip
-    brief: str = Field("", description="The run in one line: done / total and percent, rates, errors and their "
-                       "share, disk used and free, ETA, its GPUs, the verdict")  # fmt: skip
-    lines: dict[str, str] = Field(
-        default_factory=dict,
-        description="One line of words per stage the run has: regeneration, extraction, "
-        "storage, training, evaluation (what the page and `eaglet status` print)",
-    )
-
-
-class WorkerStatus(BaseModel):
-    name: str
-    state: str
-    role: WorkerRole
-    host: str
-    pid: int | None
-    inference_url: str
-    run: str
-    sample: str
-    detail: str
-    seconds_since_heartbeat: float
-    lost: bool
-    stage_seconds: dict[str, float] = Field(
-        description="Mean seconds of each stage of its recent samples: prefill (waiting on the inference server), "
-        "dump_wait, check, store. A worker mostly in prefill is waiting on the server; in store, on the disk"
-    )
-
-
-class InferenceStatus(BaseModel):
-    url: str
-    host: str = Field("", description="the host of the workers that use it (EAGLET_HOST_NAME)")
-    ok: bool
-    healthy: bool = Field(description="ok, and reported within the lost-after interval")
-    detail: str
-    model: str
-    hidden_size: int | None = None
-    num_layers: int | None = None
-    aux_layer_ids: list[int] | None = Field(None, description="the layers it captures")
-    seconds_since_report: float
-    workers: int = Field(0, description="live extractor workers that use it")
-    samples_per_s: float = Field(0.0, description="samples its live workers stored per second, over their last minute")
-    tokens_per_s: float = 0.0
-    dump_backpressure: float | None = Field(
-        None, description="share of the recent time the server's forwards waited for its dump writer (0-1)"
-    )
-    dump_queued_bytes: int | None = None
-    dump_cap_bytes: int | None = None
-
-
-class GpuHostStatus(BaseModel):
-    role: GpuRole = Field(description="inference: the inference supervisor's server; trainer: a trainer's")
-    host: str
-    pid: int | None
-    run: str = Field(description="The run a trainer trains; empty for an inference server")
-    gpus: list[GpuStat] | None = Field(description="Utilization (%) and memory (bytes) per GPU; null: unknown")
-    detail: str = Field(description="Why the GPUs are unknown (no NVML here, a driver error)")
-    seconds_since_report: float
-    live: bool = Field(description="Reported within the lost-after interval")
-
-
-class Cluster(BaseModel):
-    workers: list[WorkerStatus] = Field(description="Live workers, and those lost within forget_after_s")
-    workers_live: int
-    workers_lost: int = Field(description="Lost workers listed in workers")
-    workers_gone: int = Field(0, description="Workers lost longer ago than forget_after_s: counted, not listed")
-    inference: list[InferenceStatus] = Field(description="Servers in service: their workers report them")
-    inference_gone: list[InferenceStatus] = Field(
-        default_factory=list,
-        description="Servers out of service: no worker reported them within lost_after_s, or down while no run "
-        "(of those read) regenerates or extracts: a finished run's",
-    )
-    gpus: list[GpuHostStatus] = Field(
-        default_factory=list, description="The GPUs of each inference supervisor and trainer that reported lately"
-    )
-    disk_free: int | None
-    disk_total: int | None
-
-
-class StatusReport(BaseModel):
-    generated_at: float
-    runs_total: int
-    offset: int
-    limit: int
-    runs: list[RunStatus] = Field(description="Newest first")
-    cluster: Cluster
-
-
-class RunReport(BaseModel):
-    generated_at: float
-    run: RunStatus
-    cluster: Cluster
 
 
 def read_status(
@@ -497,7 +261,7 @@ def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now
         evaluation=_evaluation(result),
         alerts=[],
     )
-    run.alerts = _alerts(run, answered if stage == Stage.regenerating else completions, cluster, config, now)
+    run.alerts = run_alerts(run, answered if stage == Stage.regenerating else completions, cluster, config, now)
     run.verdict, run.brief, run.lines = describe(run, meta, progress, result, cluster, now)
     return run
 
@@ -525,8 +289,8 @@ def _stalled_since(
 ) -> tuple[float | None, float]:
     """When the stage stalled (``since``: its newest completion, or its start) if nothing completed for longer
     than the usual interval allows, else None; and that allowance, the gap that cuts the rates."""
-    usual, floor = _usual_interval(completions), min(config.stall_min_s, config.eta_hold_min_s)
-    hold = max(config.stall_factor * usual, floor) if usual else _stall_limit(None, config)  # never past the alert's
+    usual, floor = usual_interval(completions), min(config.stall_min_s, config.eta_hold_min_s)
+    hold = max(config.stall_factor * usual, floor) if usual else stall_limit(None, config)  # never past the alert's
     return (since if now - since > hold else None), hold
 
 
@@ -711,91 +475,6 @@ def _evaluation(result: EvalResult) -> dict[str, float | str]:
     """Numbers as numbers; the rest (the state, per-position rates as JSON) as the text Redis holds."""
     fields = result.to_redis()
     return {k: v if (number := _float(fields, k)) is None else number for k, v in fields.items()}
-
-
-def _usual_interval(completions: list[tuple[float, int, int]], n: int = 100) -> float | None:
-    """Mean time between the newest ``n`` completions: what "no completion for a while" is judged against."""
-    newest = completions[:n]
-    if len(newest) < 2:
-        return None
-    return (newest[0][0] - newest[-1][0]) / (len(newest) - 1)
-
-
-def _alerts(
-    run: RunStatus, completions: list[tuple[float, int, int]], cluster: Cluster, config: StatusConfig, now: float
-) -> list[Alert]:
-    """``completions``: those of the run's current stage (answered prompts while it regenerates, else samples)."""
-    alerts = []
-    ex, rg = run.extraction, run.regeneration
-    regenerating = run.stage == Stage.regenerating and rg is not None and rg.remaining != 0
-    extracting = run.stage in ACTIVE_STAGES and ex.remaining != 0 and run.stage != Stage.regenerating
-    if regenerating:
-        usual = _usual_interval(completions)
-        since = rg.last_done_at or rg.started_at or run.created_at or now
-        limit = _stall_limit(usual, config)
-        if now - since > limit:
-            alerts.append(Alert(kind="stalled", message=(
-                f"no prompt regenerated for {duration(now - since)} (limit {duration(limit)})")))  # fmt: skip
-    if extracting:
-        usual = _usual_interval(completions)
-        since = ex.last_done_at or ex.started_at or run.created_at or now
-        limit = _stall_limit(usual, config)
-        if now - since > limit:
-            hint = "" if ex.total is not None else (
-                f"; its ingest has not finished: if the process running `eaglet ingest` died, "
-                f"`eaglet ingest --run {run.run_id} --resume` takes it up where it last flushed")  # fmt: skip
-            alerts.append(Alert(kind="stalled", message=(
-                f"no sample completed for {duration(now - since)} (limit {duration(limit)}){hint}")))  # fmt: skip
-    if run.stage in ACTIVE_STAGES:
-        lost = [w.name for w in cluster.workers if w.lost and w.run in ("", run.run_id)]
-        if lost:
-            alerts.append(Alert(kind="workers_lost", message=f"{len(lost)} worker(s) lost: {', '.join(lost[:8])}"))
-        elif (extracting or regenerating) and not any(
-            w.role == WorkerRole.extractor and not w.lost for w in cluster.workers
-        ):
-            alerts.append(Alert(kind="workers_lost", message="no live worker: start extractor workers"))
-    tr = run.training
-    if run.stage in TRAINER_STAGES and (tr.seconds_since_beat is None or tr.seconds_since_beat > config.lost_after_s):
-        age = "no heartbeat" if tr.seconds_since_beat is None else f"heartbeat {tr.seconds_since_beat:.0f} s old"
-        resume = f" (it resumes from {tr.last_checkpoint})" if tr.last_checkpoint else ""
-        alerts.append(Alert(kind="trainer_lost", message=(
-            f"the trainer is {run.stage} but has {age}: it died or hangs; start it again{resume}")))  # fmt: skip
-    st = run.storage
-    if (
-        st.projected_remaining_bytes is not None
-        and st.disk_free is not None
-        and st.projected_remaining_bytes > st.disk_free
-    ):
-        alerts.append(Alert(kind="disk", message=(
-            f"projected {st.projected_total_bytes / 1e9:.1f} GB in all, {st.projected_remaining_bytes / 1e9:.1f} GB "
-            f"still to write, but only {st.disk_free / 1e9:.1f} GB free")))  # fmt: skip
-    rate = _alert_error_rate(ex, config)
-    if rate is not None:
-        alerts.append(
-            Alert(kind="error_rate", message=f"error rate {rate:.1%} above {config.error_rate_threshold:.1%}")
-        )
-    if (
-        rg is not None
-        and rg.error_rate is not None
-        and rg.done + rg.failed >= config.error_rate_min_attempts
-        and rg.error_rate > config.error_rate_threshold
-    ):
-        given_up = f"regeneration: {rg.error_rate:.1%} of prompts given up"
-        alerts.append(Alert(kind="error_rate", message=f"{given_up}, above {config.error_rate_threshold:.1%}"))
-    return alerts
-
-
-def _stall_limit(usual: float | None, config: StatusConfig) -> float:
-    """Seconds without a completion after which a stage is stalled."""
-    return max(config.stall_factor * usual, config.stall_min_s) if usual else config.stall_factor * config.stall_min_s
-
-
-def _alert_error_rate(ex: Extraction, config: StatusConfig) -> float | None:
-    """The overall or the recent error rate when it is above the threshold over enough attempts, else None."""
-    overall = ex.error_rate if ex.done + ex.failed >= config.error_rate_min_attempts else None
-    recent = ex.recent_error_rate if ex.recent_attempts >= config.error_rate_min_attempts else None
-    above = [r for r in (recent, overall) if r is not None and r > config.error_rate_threshold]
-    return above[0] if above else None
 
 
 def disk_usage(path: Path) -> tuple[int, int] | None:

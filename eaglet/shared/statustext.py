@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from eaglet.shared.records import ACTIVE_STAGES, TRAINER_STAGES, EvalResult, GpuRole, RunMeta, Stage, TrainProgress
 
 if TYPE_CHECKING:
-    from eaglet.shared.status import Cluster, Extraction, GpuHostStatus, Regeneration, RunStatus, Storage
+    from eaglet.shared.statusreport import Cluster, Extraction, GpuHostStatus, Regeneration, RunStatus, Storage
 
 BRIEF_REASON_CHARS = 120
 """A failure's reason is cut to this in the brief line: the whole of it is in the run's ``error``."""

@@ -7,9 +7,10 @@ import subprocess
 import sys
 import time
 
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet
-from eaglet.shared.status import StatusConfig, read_run
+from eaglet.shared.status import read_run
 from eaglet.shared.store import samples_dir
 from tests.conftest import ROOT
 

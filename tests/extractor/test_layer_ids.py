@@ -9,12 +9,15 @@ import pytest
 from eaglet.services.extractor.extract import Extractor
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.ingest.jobs import ingest_new_run
-from eaglet.services.trainer.train import Dist, TrainConfig, train
+from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.distributed import Dist
+from eaglet.services.trainer.train import train
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.config import Settings
 from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
-from eaglet.shared.status import StatusConfig, read_run
+from eaglet.shared.status import read_run
 from eaglet.shared.store import drafter_dir
 
 LAYERS = [1, 2, 4]  # the tiny Llama has 6 layers: ingest's default is [3, 4, 5]

@@ -12,13 +12,14 @@ from eaglet.cli.stack import LocalStack
 from eaglet.services.extractor.extract import Extractor
 from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.shared import heartbeats, keys
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.config import Settings
 from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES
 from eaglet.shared.jobqueue import run_queue
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
-from eaglet.shared.status import StatusConfig, read_status
+from eaglet.shared.status import read_status
 from eaglet.shared.store import (
     FP8_STORAGE,
     encode_fp8,

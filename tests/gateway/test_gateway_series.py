@@ -5,10 +5,11 @@ import time
 import pytest
 
 from eaglet.services.gateway.recorder import Recorder
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.heartbeats import WorkerState, beat
 from eaglet.shared.records import EvalResult
 from eaglet.shared.runstate import Stage
-from eaglet.shared.status import StatusConfig, read_run
+from eaglet.shared.status import read_run
 
 STAGES = {"prefill": 0.5, "dump_wait": 0.01, "check": 0.02, "store": 0.25}
 

@@ -12,7 +12,7 @@ from eaglet.cli.stack import LocalStack
 from eaglet.cli.status import render_run
 from eaglet.shared.records import Stage
 from eaglet.shared.runstate import RunState
-from eaglet.shared.status import RunReport
+from eaglet.shared.statusreport import RunReport
 from tests.regenerate.conftest import ChatProxy, write_jsonl
 from tests.reliability.helpers import TOKEN, env_of, gateway_settings, serve_gateway
 

@@ -4,9 +4,10 @@ import time
 
 from eaglet.services.ingest.runs import create_run
 from eaglet.services.regenerate.progress import Batch, Progress
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.heartbeats import WorkerState, beat
 from eaglet.shared.runoptions import RegenerateOptions, RunOptions
-from eaglet.shared.status import StatusConfig, read_run
+from eaglet.shared.status import read_run
 from tests.regenerate.conftest import write_jsonl
 
 

@@ -12,9 +12,10 @@ import pytest
 from eaglet.cli.stack import LocalStack
 from eaglet.cli.status import main as status_main
 from eaglet.services.ingest.jobs import ingest_new_run
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
-from eaglet.shared.status import StatusConfig, read_run
+from eaglet.shared.status import read_run
 from tests.reliability.helpers import HEARTBEAT_S, check_outcome, env_of, free_port, wait_for, write_dataset
 
 log = logging.getLogger(__name__)

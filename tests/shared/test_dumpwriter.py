@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from eaglet.shared import heartbeats
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.dumpfile import dump_path, read_dump, write_dump
 from eaglet.shared.dumpwriter import DumpWriter, read_writer_stats
-from eaglet.shared.status import StatusConfig, read_status
+from eaglet.shared.status import read_status
 
 MB = 1 << 20
 

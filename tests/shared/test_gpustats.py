@@ -19,9 +19,10 @@ import pytest
 from eaglet.services.gateway.collector import StatusCollector
 from eaglet.services.trainer.main import heartbeat
 from eaglet.shared import gpustats, keys
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.records import GpuBeat, GpuRole, GpuStat
 from eaglet.shared.runstate import RunState
-from eaglet.shared.status import StatusConfig, read_run, read_status
+from eaglet.shared.status import read_run, read_status
 from tests.conftest import ROOT
 
 # A stand-in for NVML (not NVIDIA's code): two GPUs, the second busy, with the calls and errors GpuReader uses.

@@ -12,7 +12,7 @@ from eaglet.shared.series import (
     read_series,
     train_series,
 )
-from eaglet.shared.status import WorkerStatus
+from eaglet.shared.statusreport import WorkerStatus
 
 
 def point(t: float, done: int = 0) -> ExtractionPoint:

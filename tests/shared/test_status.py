@@ -4,10 +4,11 @@ import time
 
 import pytest
 
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.heartbeats import beat, report_inference
 from eaglet.shared.records import EvalResult, TrainProgress, WorkerRole, WorkerState
 from eaglet.shared.runstate import RunState, Stage
-from eaglet.shared.status import StatusConfig, read_run, read_status
+from eaglet.shared.status import read_run, read_status
 
 CONFIG = StatusConfig(lost_after_s=10.0)
 

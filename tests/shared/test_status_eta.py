@@ -13,8 +13,9 @@ import statistics
 import pytest
 
 from eaglet.shared import runstate as runstate_module
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.runstate import RunState
-from eaglet.shared.status import StatusConfig, read_run
+from eaglet.shared.status import read_run
 
 TOKENS_PER_S = 400.0
 PER_SAMPLE_S = 0.02

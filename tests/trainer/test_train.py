@@ -15,10 +15,11 @@ from eaglet.services.trainer.checkpoint import list_states
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.distributed import Dist
 from eaglet.services.trainer.train import train
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.series import read_series
-from eaglet.shared.status import StatusConfig, read_run
+from eaglet.shared.status import read_run
 from eaglet.shared.store import checkpoints_dir, drafter_dir
 from tests.trainer.fixtures import make_run
 

@@ -7,8 +7,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis import Redis
 
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.runstate import Stage
-from eaglet.shared.status import AlertKind, StatusConfig, StatusReport, read_status
+from eaglet.shared.status import read_status
+from eaglet.shared.statusreport import AlertKind, StatusReport
 
 ALERT_KINDS: tuple[AlertKind, ...] = ("stalled", "workers_lost", "trainer_lost", "disk", "error_rate")
 

@@ -9,8 +9,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis import Redis
 
 from eaglet.services.gateway.settings import GatewaySettings
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.ids import UnsafeName, check_id
-from eaglet.shared.status import StatusConfig, disk_usage
+from eaglet.shared.status import disk_usage
 
 bearer = HTTPBearer(auto_error=False, description="EAGLET_API_TOKEN")
 

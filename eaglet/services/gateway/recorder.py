@@ -13,9 +13,10 @@ from collections.abc import Callable
 from redis import Redis
 
 from eaglet.shared import keys
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.records import Stage
 from eaglet.shared.series import extraction_point, extraction_series
-from eaglet.shared.status import StatusConfig, read_status
+from eaglet.shared.status import read_status
 
 log = logging.getLogger(__name__)
 RECORDING = frozenset({Stage.ingesting, Stage.extracting})

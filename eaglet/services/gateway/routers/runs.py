@@ -15,7 +15,8 @@ from eaglet.services.gateway.deps import (
 )
 from eaglet.services.ingest.runs import RunExists
 from eaglet.shared.series import RunSeries, read_series
-from eaglet.shared.status import RunReport, read_run
+from eaglet.shared.status import read_run
+from eaglet.shared.statusreport import RunReport
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 

@@ -5,7 +5,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from eaglet.services.gateway.deps import LocalDiskDep, ReadAccessDep, RedisDep, SettingsDep, StatusConfigDep
-from eaglet.shared.status import StatusReport, read_status
+from eaglet.shared.status import read_status
+from eaglet.shared.statusreport import StatusReport
 
 router = APIRouter(prefix="/status", tags=["status"], dependencies=[ReadAccessDep])
 
