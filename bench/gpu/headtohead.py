@@ -230,11 +230,11 @@ def regenerate(source: Path, out: Path) -> dict:
     target's own earlier answers. Writes the conversations to ``out``; returns the stage's counts."""
     from redis import Redis
 
-    from eaglet.services.ingest.runs import create_run
     from eaglet.services.regenerate.jobs import plan_run
-    from eaglet.services.regenerate.progress import Progress
     from eaglet.services.regenerate.results import output_path
+    from eaglet.shared.regeneration import Progress
     from eaglet.shared.runoptions import RegenerateOptions, RunOptions
+    from eaglet.shared.runs import create_run
     from eaglet.shared.runstate import Stage
 
     os.environ.update(P.eaglet_env(SMOL, P.SGL_PORT))

@@ -12,12 +12,12 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 
 from eaglet.cli.stack import LocalStack
-from eaglet.services.regenerate.progress import Progress
 from eaglet.services.regenerate.results import batch_path, output_path
 from eaglet.shared.config import StatusSettings
 from eaglet.shared.jobqueue import owner_of
 from eaglet.shared.keys import queue_name
 from eaglet.shared.records import Stage
+from eaglet.shared.regeneration import Progress
 from eaglet.shared.status import read_run
 from tests.regenerate.conftest import ChatProxy, start_run, start_workers, wait_regenerated, write_jsonl
 

@@ -13,11 +13,11 @@ from rq import Queue
 from eaglet.cli.stack import LocalStack
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.ingest.jobs import ingest_new_run
-from eaglet.services.ingest.runs import create_run
 from eaglet.shared import heartbeats, keys
 from eaglet.shared.heartbeats import WorkerState
 from eaglet.shared.jobqueue import cancel, enqueue_ingest, run_queue
 from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.runs import create_run
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import samples_dir

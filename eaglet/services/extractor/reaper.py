@@ -35,11 +35,11 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.utils import parse_composite_key
 
-from eaglet.services.regenerate.progress import Progress, requeue_batch
 from eaglet.shared import heartbeats
 from eaglet.shared.jobqueue import REGEN_JOB, enqueue_batches, enqueue_samples, job_id, owner_alive, owner_of, run_queue
 from eaglet.shared.keys import RunKeys, queue_name
 from eaglet.shared.records import Stage, WorkerBeat
+from eaglet.shared.regeneration import Progress, requeue_batch
 from eaglet.shared.runstate import RunState
 
 log = logging.getLogger(__name__)
