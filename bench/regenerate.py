@@ -66,9 +66,9 @@ def through_stage(redis: Redis, rq_redis: Redis, run_id: str, source: Path, n: i
         time.sleep(0.05)
     seconds = time.perf_counter() - t
     counts = Progress(redis, run_id).counts()
-    assert state.stage() == Stage.done and counts["done"] == n, (state.meta(), counts)
-    return {"seconds": seconds, "prompts_per_s": n / seconds, "tokens_per_s": counts["tokens_out"] / seconds,
-            "tokens_out": counts["tokens_out"], "retries": counts.get("retries", 0)}  # fmt: skip
+    assert state.stage() == Stage.done and counts.done == n, (state.meta(), counts)
+    return {"seconds": seconds, "prompts_per_s": n / seconds, "tokens_per_s": counts.tokens_out / seconds,
+            "tokens_out": counts.tokens_out, "retries": counts.retries}  # fmt: skip
 
 
 def spread(values: list[float]) -> dict:

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 import h2hreport
@@ -255,7 +256,7 @@ def regenerate(source: Path, out: Path) -> dict:
     if state.stage() != Stage.done:
         raise RuntimeError(f"regeneration run {run_id}: stage {state.stage()} after {time.time() - t:.0f}s, {counts}")
     os.replace(output_path(P.DATA, run_id), out)
-    return {"run": run_id, "wall_s": round(time.time() - t, 1), "options": str(options), **counts}
+    return {"run": run_id, "wall_s": round(time.time() - t, 1), "options": str(options), **asdict(counts)}
 
 
 def phase_extract() -> None:

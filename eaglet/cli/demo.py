@@ -126,8 +126,8 @@ def _regenerate(console: Console, redis: Redis, settings: Settings, run_id: str,
         console.print(f"[red]regeneration {meta.stage}[/]: {meta.error} (see {log_dir})")
         return
     console.print(
-        f"regenerated {counts.get('done', 0)} prompts ({counts.get('failed', 0)} failed) in {seconds:.1f}s: "
-        f"{counts.get('done', 0) / seconds:.2f} prompts/s, {counts.get('tokens_out', 0) / seconds:.1f} tokens/s out "
+        f"regenerated {counts.done} prompts ({counts.failed} failed) in {seconds:.1f}s: "
+        f"{counts.done / seconds:.2f} prompts/s, {counts.tokens_out / seconds:.1f} tokens/s out "
         f"(max {DEMO_REGENERATE.max_tokens} new tokens each) → {meta.dataset}"
     )
     console.print("training on the 300 demo conversations as shipped: their answers are SmolLM2's own, written the "
@@ -153,8 +153,8 @@ def _follow_extraction(console: Console, state: RunState, total: int) -> None:
         task = progress.add_task("extract", total=total, info="")
         while not state.extraction_complete():
             counts = state.counts()
-            info = f"failed {counts.get('failed', 0)}, {counts.get('tokens', 0)} tokens"
-            progress.update(task, completed=counts.get("done", 0) + counts.get("failed", 0), info=info)
+            info = f"failed {counts.failed}, {counts.tokens} tokens"
+            progress.update(task, completed=counts.done + counts.failed, info=info)
             time.sleep(0.5)
         progress.update(task, completed=total)
 
@@ -162,9 +162,9 @@ def _follow_extraction(console: Console, state: RunState, total: int) -> None:
 def _report_extraction(console: Console, state: RunState, settings: Settings) -> None:
     meta, counts = state.meta(), state.counts()
     seconds = meta.extraction_complete - meta.extraction_started_at
-    tokens, nbytes = counts.get("tokens", 0), counts.get("bytes", 0)
+    tokens, nbytes = counts.tokens, counts.bytes
     console.print(
-        f"extraction complete: {counts.get('done', 0)} done, {counts.get('failed', 0)} failed, "
+        f"extraction complete: {counts.done} done, {counts.failed} failed, "
         f"{tokens} tokens in {seconds:.1f}s ({tokens / max(seconds, 1e-9):.0f} tokens/s through the pipeline)"
     )
     console.print(

@@ -18,7 +18,15 @@ from redis import Redis
 
 from eaglet.shared import keys
 from eaglet.shared.keys import RunKeys
-from eaglet.shared.records import FINISHED_STAGES, GPUS_RELEASED, EvalResult, RunMeta, Stage, TrainProgress
+from eaglet.shared.records import (
+    FINISHED_STAGES,
+    GPUS_RELEASED,
+    EvalResult,
+    ExtractionCounts,
+    RunMeta,
+    Stage,
+    TrainProgress,
+)
 
 RECENT_CAP = 2000
 ERRORS_CAP = 100
@@ -365,5 +373,5 @@ class RunState:
         pipe.hincrby(self.keys.counts, "errors", 1)
         pipe.execute()
 
-    def counts(self) -> dict[str, int]:
-        return {k: int(float(v)) for k, v in self.redis.hgetall(self.keys.counts).items()}
+    def counts(self) -> ExtractionCounts:
+        return ExtractionCounts.from_redis(self.redis.hgetall(self.keys.counts))

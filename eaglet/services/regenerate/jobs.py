@@ -67,7 +67,7 @@ def plan_run(redis: Redis, rq_redis: Redis, run_id: str) -> int:
         progress.plan(batches, total)
         log.info("run %s: %d prompts in %d batches to regenerate", run_id, total, len(batches))
     enqueue_batches(rq_redis, run_id, progress.unfinished_batches())
-    return progress.counts()["total"]
+    return progress.counts().total
 
 
 def cut_batches(path: Path, size: int) -> tuple[list[Batch], int]:

@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress(redis, args.run)
     while (stage := state.stage()) == Stage.regenerating:
         c = progress.counts()
-        sys.stdout.write(f"\r{c.get('done', 0)} done, {c.get('failed', 0)} failed of {c.get('total', 0)}; "
-                         f"{c.get('tokens_out', 0)} tokens out")  # fmt: skip
+        sys.stdout.write(f"\r{c.done} done, {c.failed} failed of {c.total}; "
+                         f"{c.tokens_out} tokens out")  # fmt: skip
         sys.stdout.flush()
         time.sleep(1)
     meta = state.meta()
