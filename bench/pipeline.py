@@ -98,9 +98,9 @@ def pipeline_phase(redis: Redis, settings: Settings, run_id: str, limit: int) ->
         time.sleep(0.02)
     seconds = time.perf_counter() - t
     counts = state.counts()
-    if counts.get("failed", 0):
-        raise RuntimeError(f"run {run_id}: {counts['failed']} samples failed")
-    return seconds, int(counts["tokens"]), int(counts["bytes"])
+    if counts.failed:
+        raise RuntimeError(f"run {run_id}: {counts.failed} samples failed")
+    return seconds, int(counts.tokens), int(counts.bytes)
 
 
 def main() -> int:

@@ -31,12 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import load, save_result  # noqa: E402
 from eaglet.cli.stack import LocalStack  # noqa: E402
-from eaglet.services.ingest.runs import create_run  # noqa: E402
 from eaglet.services.regenerate.chatclient import ChatClient  # noqa: E402
 from eaglet.services.regenerate.jobs import plan_run  # noqa: E402
-from eaglet.services.regenerate.progress import Progress  # noqa: E402
 from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
+from eaglet.shared.regeneration import Progress  # noqa: E402
 from eaglet.shared.runoptions import RegenerateOptions, RunOptions  # noqa: E402
+from eaglet.shared.runs import create_run  # noqa: E402
 from eaglet.shared.runstate import RunState, Stage  # noqa: E402
 
 PROMPTS = ROOT / "data" / "demo" / "prompts-train.jsonl"
@@ -66,9 +66,9 @@ def through_stage(redis: Redis, rq_redis: Redis, run_id: str, source: Path, n: i
         time.sleep(0.05)
     seconds = time.perf_counter() - t
     counts = Progress(redis, run_id).counts()
-    assert state.stage() == Stage.done and counts["done"] == n, (state.meta(), counts)
-    return {"seconds": seconds, "prompts_per_s": n / seconds, "tokens_per_s": counts["tokens_out"] / seconds,
-            "tokens_out": counts["tokens_out"], "retries": counts.get("retries", 0)}  # fmt: skip
+    assert state.stage() == Stage.done and counts.done == n, (state.meta(), counts)
+    return {"seconds": seconds, "prompts_per_s": n / seconds, "tokens_per_s": counts.tokens_out / seconds,
+            "tokens_out": counts.tokens_out, "retries": counts.retries}  # fmt: skip
 
 
 def spread(values: list[float]) -> dict:

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 import h2hreport
@@ -236,11 +237,11 @@ def regenerate(source: Path, out: Path) -> dict:
     target's own earlier answers. Writes the conversations to ``out``; returns the stage's counts."""
     from redis import Redis
 
-    from eaglet.services.ingest.runs import create_run
     from eaglet.services.regenerate.jobs import plan_run
-    from eaglet.services.regenerate.progress import Progress
     from eaglet.services.regenerate.results import output_path
+    from eaglet.shared.regeneration import Progress
     from eaglet.shared.runoptions import RegenerateOptions, RunOptions
+    from eaglet.shared.runs import create_run
     from eaglet.shared.runstate import Stage
 
     os.environ.update(P.eaglet_env(SMOL, P.SGL_PORT))
@@ -261,7 +262,7 @@ def regenerate(source: Path, out: Path) -> dict:
     if state.stage() != Stage.done:
         raise RuntimeError(f"regeneration run {run_id}: stage {state.stage()} after {time.time() - t:.0f}s, {counts}")
     os.replace(output_path(P.DATA, run_id), out)
-    return {"run": run_id, "wall_s": round(time.time() - t, 1), "options": str(options), **counts}
+    return {"run": run_id, "wall_s": round(time.time() - t, 1), "options": str(options), **asdict(counts)}
 
 
 def phase_extract() -> None:

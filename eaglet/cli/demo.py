@@ -18,12 +18,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from eaglet.cli.stack import LocalStack
-from eaglet.services.ingest.runs import create_run
-from eaglet.services.regenerate import progress as regeneration
-from eaglet.services.regenerate.jobs import plan_run
+from eaglet.shared import regeneration
 from eaglet.shared.config import Settings
-from eaglet.shared.jobqueue import enqueue_ingest
 from eaglet.shared.runoptions import RegenerateOptions, RunOptions
+from eaglet.shared.runs import queue_run
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.store import drafter_dir, hidden_dir, run_dir
 
@@ -76,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             _regenerate(console, redis, settings, f"{run_id}-regenerate", args.regenerate_prompts, stack.log_dir)
         else:
             console.print("regeneration skipped (--regenerate-prompts 0): the demo answers are SmolLM2's already")
-        state = create_run(redis, run_id, args.dataset, RunOptions(max_tokens=2048, limit=args.limit))
-        enqueue_ingest(Redis.from_url(settings.redis_url), run_id)  # RQ's jobs are pickled bytes: a client of its own
+        options = RunOptions(max_tokens=2048, limit=args.limit)
+        # RQ's jobs are pickled bytes: a client of its own
+        queue_run(redis, Redis.from_url(settings.redis_url), run_id=run_id, dataset=args.dataset, options=options)
+        state = RunState(redis, run_id)
         total = _wait_for_ingest(console, state, stack.log_dir)
         if total is None:
             return 1
@@ -113,9 +113,10 @@ def _regenerate(console: Console, redis: Redis, settings: Settings, run_id: str,
     source = log_dir / "regenerate-input.jsonl"
     with open(DEMO_PROMPTS) as f:
         source.write_text("".join(line for _, line in zip(range(n), f, strict=False)))
-    state = create_run(redis, run_id, source, RunOptions(regenerate=DEMO_REGENERATE))
     started = time.monotonic()
-    plan_run(redis, Redis.from_url(settings.redis_url), run_id)
+    options = RunOptions(regenerate=DEMO_REGENERATE)
+    queue_run(redis, Redis.from_url(settings.redis_url), run_id=run_id, dataset=source, options=options)
+    state = RunState(redis, run_id)
     progress = regeneration.Progress(redis, run_id)
     with console.status(f"regenerating {n} prompts' answers with the target (run {run_id})"):
         while state.stage() == Stage.regenerating:
@@ -125,8 +126,8 @@ def _regenerate(console: Console, redis: Redis, settings: Settings, run_id: str,
         console.print(f"[red]regeneration {meta.stage}[/]: {meta.error} (see {log_dir})")
         return
     console.print(
-        f"regenerated {counts.get('done', 0)} prompts ({counts.get('failed', 0)} failed) in {seconds:.1f}s: "
-        f"{counts.get('done', 0) / seconds:.2f} prompts/s, {counts.get('tokens_out', 0) / seconds:.1f} tokens/s out "
+        f"regenerated {counts.done} prompts ({counts.failed} failed) in {seconds:.1f}s: "
+        f"{counts.done / seconds:.2f} prompts/s, {counts.tokens_out / seconds:.1f} tokens/s out "
         f"(max {DEMO_REGENERATE.max_tokens} new tokens each) → {meta.dataset}"
     )
     console.print("training on the 300 demo conversations as shipped: their answers are SmolLM2's own, written the "
@@ -152,8 +153,8 @@ def _follow_extraction(console: Console, state: RunState, total: int) -> None:
         task = progress.add_task("extract", total=total, info="")
         while not state.extraction_complete():
             counts = state.counts()
-            info = f"failed {counts.get('failed', 0)}, {counts.get('tokens', 0)} tokens"
-            progress.update(task, completed=counts.get("done", 0) + counts.get("failed", 0), info=info)
+            info = f"failed {counts.failed}, {counts.tokens} tokens"
+            progress.update(task, completed=counts.done + counts.failed, info=info)
             time.sleep(0.5)
         progress.update(task, completed=total)
 
@@ -161,9 +162,9 @@ def _follow_extraction(console: Console, state: RunState, total: int) -> None:
 def _report_extraction(console: Console, state: RunState, settings: Settings) -> None:
     meta, counts = state.meta(), state.counts()
     seconds = meta.extraction_complete - meta.extraction_started_at
-    tokens, nbytes = counts.get("tokens", 0), counts.get("bytes", 0)
+    tokens, nbytes = counts.tokens, counts.bytes
     console.print(
-        f"extraction complete: {counts.get('done', 0)} done, {counts.get('failed', 0)} failed, "
+        f"extraction complete: {counts.done} done, {counts.failed} failed, "
         f"{tokens} tokens in {seconds:.1f}s ({tokens / max(seconds, 1e-9):.0f} tokens/s through the pipeline)"
     )
     console.print(

@@ -227,6 +227,42 @@ class TrainProgress(HashRecord):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ExtractionCounts(HashRecord):
+    """A run's extraction counters (the hash ``RunKeys(run).counts``). Written field by field by the marks' Lua
+    scripts and HINCRBY, so that a retried job never counts twice; read whole, as this record."""
+
+    done: int = 0
+    failed: int = 0
+    tokens: int = 0
+    """Tokens of the stored samples."""
+    bytes: int = 0
+    """Bytes of the stored samples' files."""
+    retries: int = 0
+    errors: int = 0
+    """Errors recorded (a sample may fail several times before it is given up)."""
+    last_done_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegenCounts(HashRecord):
+    """A regeneration's plan and counters (the hash ``RunKeys(run).regen``): the plan writes ``total``, ``batches``
+    and ``started_at`` (``total`` last: the commit point); the marks' Lua script the rest."""
+
+    total: int | None = None
+    """Prompts in the input; None until the plan is written."""
+    batches: int = 0
+    done: int = 0
+    failed: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    retries: int = 0
+    started_at: float | None = None
+    last_done_at: float | None = None
+    complete: float | None = None
+    """When the last prompt got its outcome."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EvalResult(HashRecord):
     """Speculative decoding with the run's drafter. The evaluation also runs on its own (``eaglet eval``), outside
     the run's stages, so it keeps its own ``state``: running, done or failed."""

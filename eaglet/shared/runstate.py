@@ -18,7 +18,15 @@ from redis import Redis
 
 from eaglet.shared import keys
 from eaglet.shared.keys import RunKeys
-from eaglet.shared.records import FINISHED_STAGES, GPUS_RELEASED, EvalResult, RunMeta, Stage, TrainProgress
+from eaglet.shared.records import (
+    FINISHED_STAGES,
+    GPUS_RELEASED,
+    EvalResult,
+    ExtractionCounts,
+    RunMeta,
+    Stage,
+    TrainProgress,
+)
 
 RECENT_CAP = 2000
 ERRORS_CAP = 100
@@ -134,6 +142,10 @@ class StageRefused(RuntimeError):
         self.stage = stage
 
 
+class RunExists(ValueError):
+    """The run id is taken: runs are never overwritten."""
+
+
 class RunState:
     """Writes of one run's state. Takes its Redis connection; never reaches for a global one."""
 
@@ -151,13 +163,16 @@ class RunState:
 
     def create(self, stage: Stage = Stage.ingesting, **meta: object) -> None:
         """Registers the run (stage ``ingesting``, or ``regenerating`` for a run that starts by regenerating its
-        dataset) with the ``RunMeta`` fields given; ``total`` is set by ``set_total`` once ingest is done."""
+        dataset) with the ``RunMeta`` fields given, claiming its id (``RunExists`` if taken); ``total`` is set by
+        ``set_total`` once ingest is done."""
         now = time.time()
         record = RunMeta(run_id=self.run_id, created_at=now, stage=stage, **meta)
+        # The claim is atomic, so two gateway replicas (or a gateway and a terminal) never create the same run twice.
+        if self.exists() or not self.redis.zadd(keys.RUNS, {self.run_id: now}, nx=True):
+            raise RunExists(f"run {self.run_id!r} exists already; pick another id")
         pipe = self.redis.pipeline()
         pipe.hset(self.keys.meta, mapping=record.to_redis())
         pipe.hset(self.keys.counts, mapping={"done": 0, "failed": 0, "tokens": 0, "bytes": 0, "retries": 0})
-        pipe.zadd(keys.RUNS, {self.run_id: now})
         pipe.execute()
 
     def exists(self) -> bool:
@@ -358,5 +373,5 @@ class RunState:
         pipe.hincrby(self.keys.counts, "errors", 1)
         pipe.execute()
 
-    def counts(self) -> dict[str, int]:
-        return {k: int(float(v)) for k, v in self.redis.hgetall(self.keys.counts).items()}
+    def counts(self) -> ExtractionCounts:
+        return ExtractionCounts.from_redis(self.redis.hgetall(self.keys.counts))

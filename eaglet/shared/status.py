@@ -20,7 +20,9 @@ from eaglet.shared.layout import Layout, run_bytes_per_token
 from eaglet.shared.records import (
     ACTIVE_STAGES,
     EvalResult,
+    ExtractionCounts,
     GpuBeat,
+    RegenCounts,
     RunMeta,
     Stage,
     TrainProgress,
@@ -143,11 +145,6 @@ def _float(d: dict, key: str) -> float | None:
         return None
 
 
-def _int(d: dict, key: str) -> int | None:
-    value = _float(d, key)
-    return None if value is None else int(value)
-
-
 def _cluster(
     workers: dict, inference: dict, gpus: dict, config: StatusConfig, now: float, local_disk: tuple[int, int] | None
 ) -> Cluster:
@@ -237,11 +234,15 @@ def _worker(name: str, beat: WorkerBeat, age: float, lost: bool) -> WorkerStatus
 
 
 def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now: float) -> RunStatus:
-    raw_meta, counts, in_flight, recent, errors, raw_train, raw_eval, regen, regen_recent = replies[:RUN_REPLIES]
-    meta, progress, result = (
+    raw_meta, raw_counts, in_flight, recent, errors, raw_train, raw_eval, raw_regen, regen_recent = replies[
+        :RUN_REPLIES
+    ]
+    meta, counts, progress, result, regen = (
         RunMeta.from_redis(raw_meta),
+        ExtractionCounts.from_redis(raw_counts),
         TrainProgress.from_redis(raw_train),
         EvalResult.from_redis(raw_eval),
+        RegenCounts.from_redis(raw_regen),
     )
     stage = meta.stage or Stage.ingesting
     completions = _parse_recent(recent)
@@ -304,17 +305,17 @@ def _mean(amount: int, wall: float | None) -> float | None:
 
 
 def _regeneration(
-    meta: RunMeta, raw: dict, answered: list[tuple[float, int, int]], config: StatusConfig, now: float
+    meta: RunMeta, regen: RegenCounts, answered: list[tuple[float, int, int]], config: StatusConfig, now: float
 ) -> Regeneration:
-    total, done, failed = _int(raw, "total"), _int(raw, "done") or 0, _int(raw, "failed") or 0
+    total, done, failed = regen.total, regen.done, regen.failed
     remaining = max(0, total - done - failed) if total is not None else None
-    started = _float(raw, "started_at") or meta.created_at
-    last_done = _float(raw, "last_done_at")
+    started = regen.started_at or meta.created_at
+    last_done = regen.last_done_at
     stalled, hold = _stalled_since(answered, last_done or started or now, config, now)
     if remaining == 0 or meta.regenerated_at is not None:
         stalled = None
     prompts_per_s, tokens_per_s, _ = _rates(answered, started, config, now, hold)
-    wall, tokens_out = _wall(started, meta.regenerated_at), _int(raw, "tokens_out") or 0
+    wall, tokens_out = _wall(started, meta.regenerated_at), regen.tokens_out
     return Regeneration(
         total=total,
         done=done,
@@ -322,11 +323,11 @@ def _regeneration(
         remaining=remaining,
         percent=100.0 * (done + failed) / total if total else None,
         prompts_per_s=prompts_per_s,
-        tokens_in=_int(raw, "tokens_in") or 0,
+        tokens_in=regen.tokens_in,
         tokens_out=tokens_out,
         tokens_out_per_s=tokens_per_s,
         eta_s=remaining / prompts_per_s if remaining is not None and prompts_per_s > 0 and not stalled else None,
-        retries=_int(raw, "retries") or 0,
+        retries=regen.retries,
         error_rate=failed / (done + failed) if done + failed else None,
         started_at=started,
         completed_at=meta.regenerated_at,
@@ -350,7 +351,7 @@ def _parse_recent(recent: list[str]) -> list[tuple[float, int, int]]:
 
 def _extraction(
     meta: RunMeta,
-    counts: dict,
+    counts: ExtractionCounts,
     in_flight: int,
     completions: list[tuple[float, int, int]],
     errors: list[str],
@@ -358,16 +359,16 @@ def _extraction(
     now: float,
 ) -> Extraction:
     total = meta.total
-    done, failed = _int(counts, "done") or 0, _int(counts, "failed") or 0
+    done, failed = counts.done, counts.failed
     remaining = max(0, total - done - failed) if total is not None else None
     started = meta.extraction_started_at or meta.created_at
     cutoff = now - config.window_s
-    last_done = _float(counts, "last_done_at")
+    last_done = counts.last_done_at
     stalled, hold = _stalled_since(completions, last_done or started or now, config, now)
     if remaining == 0 or meta.stage not in ACTIVE_STAGES:
         stalled = None  # a finished extraction, or a run stopped or not yet extracting, is not stalled
     samples_per_s, tokens_per_s, in_window = _rates(completions, started, config, now, hold)
-    tokens_done = _int(counts, "tokens") or 0
+    tokens_done = counts.tokens
     tokens_left = _tokens_left(meta, remaining, tokens_done, failed)
     parsed_errors = [json.loads(e) for e in errors]
     recent_errors = sum(1 for e in parsed_errors if e.get("ts", 0) >= cutoff and e.get("index", -1) >= 0)
@@ -388,8 +389,8 @@ def _extraction(
         error_rate=failed / (done + failed) if done + failed else None,
         recent_error_rate=recent_errors / attempts if attempts else None,
         recent_attempts=attempts,
-        errors=_int(counts, "errors") or 0,
-        retries=_int(counts, "retries") or 0,
+        errors=counts.errors,
+        retries=counts.retries,
         started_at=meta.extraction_started_at,
         completed_at=meta.extraction_complete,
         last_done_at=last_done,
@@ -421,8 +422,8 @@ def _tokens_left(meta: RunMeta, remaining: int | None, tokens_done: int, failed:
     return max(0, round(total_tokens - tokens_done - failed * total_tokens / total))
 
 
-def _storage(meta: RunMeta, counts: dict, cluster: Cluster) -> Storage:
-    written, tokens = _int(counts, "bytes") or 0, _int(counts, "tokens") or 0
+def _storage(meta: RunMeta, counts: ExtractionCounts, cluster: Cluster) -> Storage:
+    written, tokens = counts.bytes, counts.tokens
     total_tokens = meta.total_tokens
     per_token = written / tokens if tokens else None
     expected = None

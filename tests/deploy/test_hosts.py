@@ -94,22 +94,22 @@ def test_two_hosts_share_one_run_and_one_data_folder(redis, redis_server, tiny_m
                 assert s["healthy"] and s["url"] == hosts[host].inference_url and s["workers"] == 2, s
                 assert s["model"] == f"tiny-{host}" and s["hidden_size"] > 0 and s["num_layers"] > 0, s
                 assert len(s["aux_layer_ids"]) == 3 and s["tokens_per_s"] > s["samples_per_s"], s
-            wait_for("a quarter of the run", lambda: state.counts()["done"] >= n // 4, 240, 0.2)
-            assert state.counts()["done"] < n - 40, "the run ended before the kill: give it more samples"
+            wait_for("a quarter of the run", lambda: state.counts().done >= n // 4, 240, 0.2)
+            assert state.counts().done < n - 40, "the run ended before the kill: give it more samples"
 
             # host-b's server dies: host-b shows down, host-a goes on extracting.
             stack.procs["server-host-b"].send_signal(signal.SIGKILL)
             stack.procs["server-host-b"].wait(10)
             wait_for("host-b down in /status", lambda: not servers_by_host(gateway_url)["host-b"]["healthy"], 60, 0.3)
-            done_at_kill = state.counts()["done"]
-            wait_for("host-a going on", lambda: state.counts()["done"] >= done_at_kill + 20, 120, 0.2)
+            done_at_kill = state.counts().done
+            wait_for("host-a going on", lambda: state.counts().done >= done_at_kill + 20, 120, 0.2)
             assert servers_by_host(gateway_url)["host-a"]["healthy"]
 
             # host-b's server comes back: the samples its workers held are retried and stored.
             start_server("host-b")
             wait_for("the run's extraction to complete", state.extraction_complete, 240, 0.3)
             counts = check_outcome(redis, hosts["host-a"], run_id, n)
-            assert counts["done"] == n and counts["failed"] == 0, counts
+            assert counts.done == n and counts.failed == 0, counts
             errors = [json.loads(e) for e in redis.lrange(state.keys.errors, 0, -1)]
             errors = [e for e in errors if "unreachable" in e["reason"]]
             assert errors and all(e["worker"].startswith("host-b") for e in errors), errors

@@ -164,7 +164,7 @@ def test_a_family_target_trains_a_drafter_of_its_shape(redis, redis_server, serv
                          backoff_s=(0.01,))  # fmt: skip
         for i in range(CONVERSATIONS):
             assert work.extract(run, i).startswith("done"), i
-    assert state.counts()["done"] == CONVERSATIONS
+    assert state.counts().done == CONVERSATIONS
     assert state.meta().captured_layers == CAPTURED
     samples = SampleSet(samples_dir(settings.data_dir, run))
     assert len(samples) == CONVERSATIONS

@@ -90,8 +90,8 @@ def test_a_dump_of_other_layers_is_refused_naming_its_sample(redis, settings, se
     finally:
         server.engine.aux_layer_ids = list(LAYERS)
     assert state.meta().captured_layers == LAYERS  # the first dump's stand
-    assert state.counts()["done"] == 1 and state.counts()["failed"] == 1
-    assert state.counts().get("retries", 0) == 0  # refused at once: a retry on that server captures the same
+    assert state.counts().done == 1 and state.counts().failed == 1
+    assert state.counts().retries == 0  # refused at once: a retry on that server captures the same
     (error,) = read_run(redis, "mixed", config=StatusConfig()).run.extraction.last_errors
     assert error.final and error.sample_id == "s1"
     assert "sample s1" in error.reason and str(other) in error.reason and str(LAYERS) in error.reason

@@ -89,7 +89,7 @@ def test_two_workers_extract_every_sample_exactly_once(redis, settings, tmp_path
         assert set(worker.stage_seconds) == {"prefill", "dump_wait", "check", "store"}, worker.stage_seconds
         assert worker.stage_seconds["prefill"] > 0 and min(worker.stage_seconds.values()) >= 0
     counts = state.counts()
-    assert (counts["done"], counts["failed"]) == (n, 0), counts
+    assert (counts.done, counts.failed) == (n, 0), counts
     samples = SampleSet(samples_dir(settings.data_dir, "e2e"))
     stored_bytes = 0
     for i in range(n):
@@ -100,7 +100,7 @@ def test_two_workers_extract_every_sample_exactly_once(redis, settings, tmp_path
         assert stored["input_ids"].tolist() == sample.input_ids.tolist()
         assert stored["loss_mask"].tolist() == sample.loss_mask.tolist()
         stored_bytes += path.stat().st_size
-    assert counts["bytes"] == stored_bytes and counts["tokens"] == len(samples._ids)
+    assert counts.bytes == stored_bytes and counts.tokens == len(samples._ids)
     assert workers_seen == {"w0", "w1"}
     assert not [p for p in settings.dump_dir.iterdir() if ":e2e:" in p.name]  # every dump taken and deleted
     assert not list((settings.data_dir / "runs" / "e2e" / "hidden").rglob(".*.tmp"))
@@ -134,7 +134,7 @@ def test_a_stored_sample_is_never_extracted_twice(redis, settings, tmp_path):
     redis.hincrby(state.keys.counts, "done", -1)
     offline = extractor_for(settings.model_copy(update={"inference_url": "http://127.0.0.1:9"}), redis)
     assert offline.extract("idem", 1) == "found stored"  # no request needed: the server is not even there
-    assert state.counts()["done"] == 1 and state.is_done(1)
+    assert state.counts().done == 1 and state.is_done(1)
 
 
 def test_hidden_states_stored_are_the_models(redis, settings, tmp_path):
@@ -181,4 +181,4 @@ def test_unreachable_server_backs_off_then_records_the_reason(redis, settings, t
     state = RunState(redis, "down")
     [failure] = [json.loads(v) for v in redis.hvals(state.keys.failures)]
     assert failure["sample_id"] == "conv-0" and "unreachable" in failure["reason"]
-    assert state.counts()["retries"] >= 3 and state.extraction_complete()
+    assert state.counts().retries >= 3 and state.extraction_complete()

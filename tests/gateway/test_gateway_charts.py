@@ -77,7 +77,7 @@ def test_charts_plot_the_status_figures_mid_run_and_after_training(
         workers = [stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"w{i}") for i in range(2)]
         ingest_new_run(redis, settings, RUN, tmp_path / "data.jsonl", RunOptions())
         state = RunState(redis, RUN)
-        wait(lambda: 30 <= sum(state.counts().get(k, 0) for k in ("done", "failed")), "no progress", timeout=180)
+        wait(lambda: 30 <= state.counts().done + state.counts().failed, "no progress", timeout=180)
         config = gateway.settings.status_config()
         wait(
             lambda: all(w.stage_seconds for w in read_run(redis, RUN, config=config).cluster.workers), "no stage times"

@@ -124,7 +124,7 @@ def test_retry_failed_queues_the_failures_again(gateway, redis, queue_redis):
     assert sorted(queue.fetch_job(j).args for j in queue.job_ids) == [("r1", 2), ("r1", 7)]
     # Pending again: the run is not complete until the retried samples have a new outcome.
     assert state.stage() == Stage.extracting and not state.extraction_complete()
-    assert state.counts()["failed"] == 0 and redis.hlen(RunKeys("r1").failures) == 0
+    assert state.counts().failed == 0 and redis.hlen(RunKeys("r1").failures) == 0
     assert redis.hget(RunKeys("r1").attempts, "2") == "1"  # attempt numbers go on: rids never repeat
     state.mark_done(2, 100, 1000)
     assert not state.extraction_complete()

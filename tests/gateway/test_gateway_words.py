@@ -7,12 +7,12 @@ import time
 import pytest
 
 from eaglet.cli.status import main
-from eaglet.services.ingest.runs import create_run
-from eaglet.services.regenerate.progress import Batch, Progress
 from eaglet.shared import gpustats, keys
 from eaglet.shared.heartbeats import WorkerState, beat, report_inference
 from eaglet.shared.records import EvalResult, GpuRole, InferenceBeat, TrainProgress, WorkerBeat
+from eaglet.shared.regeneration import Batch, Progress
 from eaglet.shared.runoptions import RegenerateOptions, RunOptions
+from eaglet.shared.runs import create_run
 from eaglet.shared.runstate import RunState
 from tests.gateway.test_gateway_page import Collect, chromium
 

@@ -4,11 +4,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from eaglet.services.ingest.jobs import ingest_new_run
-from eaglet.services.ingest.runs import RunExists
 from eaglet.shared.config import Settings
 from eaglet.shared.jobqueue import run_queue
 from eaglet.shared.runoptions import RunOptions
-from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared.runstate import RunExists, RunState, Stage
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import samples_dir
 

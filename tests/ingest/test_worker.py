@@ -12,11 +12,11 @@ import time
 from redis import Redis
 
 from eaglet.cli.stack import LocalStack
-from eaglet.services.ingest.runs import create_run
 from eaglet.shared import heartbeats
 from eaglet.shared.heartbeats import WorkerRole
 from eaglet.shared.jobqueue import enqueue_ingest, run_queue
 from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.runs import create_run
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import samples_dir

@@ -14,11 +14,11 @@ from fastapi import FastAPI, Request, Response
 from redis import Redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eaglet.services.ingest.runs import create_run
 from eaglet.services.regenerate.jobs import plan_run
 from eaglet.shared.records import Stage
 from eaglet.shared.redisserver import free_port
 from eaglet.shared.runoptions import RegenerateOptions, RunOptions
+from eaglet.shared.runs import create_run
 from eaglet.shared.runstate import RunState
 from tests.reliability.helpers import env_of, settings, wait_for  # noqa: F401
 

@@ -1,5 +1,6 @@
-"""``eaglet regenerate`` as a user runs it: the run created and planned, a worker answering, ``--wait`` following
-it to the file; bad flags and a taken run id refused with the reason."""
+"""``eaglet regenerate`` as a user runs it: the run created and its planning queued as the gateway queues it (an
+ingest worker plans it), a worker answering, ``--wait`` following it to the file; bad flags and a taken run id
+refused with the reason."""
 
 import json
 
@@ -19,6 +20,7 @@ def test_regenerate_waits_for_its_file(redis, settings, tmp_path, monkeypatch, c
         monkeypatch.setenv(name, value)
     with LocalStack(tmp_path / "logs") as stack:
         start_workers(stack, settings, ["w0"])
+        stack.start("ingest", "eaglet.services.ingest.worker", "--name", "ingest", env=env_of(settings))
         argv = ["regenerate", str(source), "--run", "cli", "--max-new-tokens", "6", "--stop-after", "--wait"]
         assert cli.main(argv) == 0
     out = capsys.readouterr().out

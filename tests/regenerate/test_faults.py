@@ -12,12 +12,12 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 
 from eaglet.cli.stack import LocalStack
-from eaglet.services.regenerate.progress import Progress
 from eaglet.services.regenerate.results import batch_path, output_path
 from eaglet.shared.config import StatusSettings
 from eaglet.shared.jobqueue import owner_of
 from eaglet.shared.keys import queue_name
 from eaglet.shared.records import Stage
+from eaglet.shared.regeneration import Progress
 from eaglet.shared.status import read_run
 from tests.regenerate.conftest import ChatProxy, start_run, start_workers, wait_regenerated, write_jsonl
 
@@ -55,8 +55,8 @@ def check_complete(redis, settings, run_id: str, n: int) -> None:
     assert [c["id"] for c in written] == [f"q{i:03d}" for i in range(n)]
     assert all(c["messages"][-1]["role"] == "assistant" for c in written)
     counts = Progress(redis, run_id).counts()
-    assert (counts["done"], counts.get("failed", 0), counts["total"]) == (n, 0, n), counts
-    assert counts["tokens_out"] == sum(e["tokens_out"] for e in entries)
+    assert (counts.done, counts.failed, counts.total) == (n, 0, n), counts
+    assert counts.tokens_out == sum(e["tokens_out"] for e in entries)
 
 
 def test_workers_killed_mid_stage_lose_and_double_nothing(redis, settings, tmp_path):
@@ -73,7 +73,7 @@ def test_workers_killed_mid_stage_lose_and_double_nothing(redis, settings, tmp_p
         while state.stage() == Stage.regenerating:
             assert time.monotonic() < deadline, Progress(redis, run_id).counts()
             time.sleep(rng.uniform(0.3, 1.0))
-            done = Progress(redis, run_id).counts().get("done", 0)
+            done = Progress(redis, run_id).counts().done
             if kills >= 6 or done >= n - 4:
                 continue
             holding = batch_holders(run_id, settings)  # a kill lands on a worker with answers in flight

@@ -5,9 +5,9 @@ from redis import Redis
 from rq import Queue
 
 from eaglet.services.ingest.resume import resume_dead_ingests
-from eaglet.services.ingest.runs import create_run
 from eaglet.shared import jobqueue, keys
 from eaglet.shared.runoptions import RegenerateOptions, RunOptions
+from eaglet.shared.runs import create_run
 from eaglet.shared.runstate import RunState, Stage
 from tests.regenerate.conftest import write_jsonl
 

@@ -96,7 +96,7 @@ def test_the_run_goes_on_to_ingest_and_extract_what_was_regenerated(redis, setti
         assert wait_regenerated(state, 120) == Stage.ingesting
         wait_for("the extraction", state.extraction_complete, 180, 0.2)
     meta = state.meta()
-    assert meta.total == 5 and state.counts()["done"] == 5
+    assert meta.total == 5 and state.counts().done == 5
     assert meta.dataset == str(output_path(settings.data_dir, "regen-on"))
     assert meta.regenerate_input == str(source)
     assert RunState(redis, "regen-on").stage() == Stage.extracted

@@ -2,11 +2,11 @@
 
 import time
 
-from eaglet.services.ingest.runs import create_run
-from eaglet.services.regenerate.progress import Batch, Progress
 from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.heartbeats import WorkerState, beat
+from eaglet.shared.regeneration import Batch, Progress
 from eaglet.shared.runoptions import RegenerateOptions, RunOptions
+from eaglet.shared.runs import create_run
 from eaglet.shared.status import read_run
 from tests.regenerate.conftest import write_jsonl
 

@@ -22,6 +22,7 @@ from eaglet.shared import keys
 from eaglet.shared.config import Settings
 from eaglet.shared.jobqueue import run_queue
 from eaglet.shared.keys import RunKeys
+from eaglet.shared.records import ExtractionCounts
 from eaglet.shared.redisserver import free_port
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
@@ -95,19 +96,19 @@ def events(redis, redis_server):
     ev.close()
 
 
-def check_outcome(redis: Redis, settings: Settings, run_id: str, n: int) -> dict:
+def check_outcome(redis: Redis, settings: Settings, run_id: str, n: int) -> ExtractionCounts:
     """Asserts that nothing was lost or doubled; returns the counts for the report."""
     state, k = RunState(redis, run_id), RunKeys(run_id)
     counts = state.counts()
     assert state.extraction_complete(), counts
-    assert counts["done"] + counts["failed"] == n, counts
-    assert redis.bitcount(k.done) == counts["done"] and redis.bitcount(k.failed) == counts["failed"], counts
+    assert counts.done + counts.failed == n, counts
+    assert redis.bitcount(k.done) == counts.done and redis.bitcount(k.failed) == counts.failed, counts
     redis.bitop("AND", f"{k.done}:both", k.done, k.failed)
     assert redis.bitcount(f"{k.done}:both") == 0, "a sample is both done and failed"
     redis.delete(f"{k.done}:both")
     assert redis.hlen(k.inflight) == 0, redis.hgetall(k.inflight)
     failures = {int(i): json.loads(v) for i, v in redis.hgetall(k.failures).items()}
-    assert len(failures) == counts["failed"] and all(f["reason"] for f in failures.values()), failures
+    assert len(failures) == counts.failed and all(f["reason"] for f in failures.values()), failures
     samples = SampleSet(samples_dir(settings.data_dir, run_id))
     stored_bytes, stored_tokens = 0, 0
     for i in range(n):
@@ -122,7 +123,7 @@ def check_outcome(redis: Redis, settings: Settings, run_id: str, n: int) -> dict
             stored_tokens += len(sample.input_ids)
         else:
             assert i in failures and not path.exists(), f"sample {i}: no outcome, or failed with a file"
-    assert counts["bytes"] == stored_bytes and counts["tokens"] == stored_tokens, counts
+    assert counts.bytes == stored_bytes and counts.tokens == stored_tokens, counts
     hidden = settings.data_dir / "runs" / run_id / "hidden"
     assert not list(hidden.rglob("*.tmp")), list(hidden.rglob("*.tmp"))
     assert run_queue(redis, run_id).count == 0

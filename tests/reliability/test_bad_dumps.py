@@ -50,7 +50,7 @@ def test_broken_dumps_are_rejected_retried_and_never_stored(redis, settings, tmp
     finally:
         stop()
     counts = check_outcome(redis, settings, run_id, n)
-    assert (counts["done"], counts["failed"]) == (n - 1, 1), counts
+    assert (counts.done, counts.failed) == (n - 1, 1), counts
     # The failed sample: its reason, and no file.
     failure = json.loads(redis.hget(state.keys.failures, ALWAYS_BAD.split("-")[1]))
     assert "NaN/Inf" in failure["reason"], failure
@@ -72,5 +72,5 @@ def test_broken_dumps_are_rejected_retried_and_never_stored(redis, settings, tmp
     assert not leftover, f"dumps left behind: {leftover}"
     injected = sum(server.injected.values())
     log.warning("bad dumps: %d injected (%s); %d rejections recorded; done %d, failed %d", injected,
-                dict(sorted(server.injected.items())), len(reasons), counts["done"], counts["failed"])  # fmt: skip
+                dict(sorted(server.injected.items())), len(reasons), counts.done, counts.failed)  # fmt: skip
     assert events.count(run_id, "extraction_complete") == 1

@@ -15,10 +15,10 @@ from eaglet.services.gateway.main import create_app as create_gateway
 from eaglet.services.inference.batcher import Batcher
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.inference.server import create_app as create_inference
-from eaglet.services.ingest import records
 from eaglet.services.ingest.chat import tokenize_conversation
 from eaglet.services.ingest.jobs import ingest_new_run
-from eaglet.services.ingest.records import BadLine, Conversation, parse_line
+from eaglet.shared import chatlines
+from eaglet.shared.chatlines import BadLine, Conversation, parse_line
 from eaglet.shared.config import Settings
 from eaglet.shared.dumpwriter import STATS_DIR, DumpWriter
 from eaglet.shared.runoptions import RunOptions
@@ -74,7 +74,7 @@ def test_fuzzed_lines_become_a_record_or_a_bad_line(line, tokenizer):
 def test_a_dataset_of_bad_lines_ingests_the_good_ones_and_reports_the_rest(
     redis, tmp_path, tiny_model_dir, monkeypatch
 ):
-    monkeypatch.setattr(records, "MAX_LINE_BYTES", 16384)  # a "giant" line without writing gigabytes
+    monkeypatch.setattr(chatlines, "MAX_LINE_BYTES", 16384)  # a "giant" line without writing gigabytes
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
     lines = [  # (line, the reason it must be refused with; None: ingested)
         (json.dumps({**good, "id": "good-1"}).encode(), None),

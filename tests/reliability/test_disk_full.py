@@ -57,10 +57,10 @@ def test_disk_full_pauses_with_an_alert_and_resumes(redis, redis_server, setting
     try:
         with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
             stack.start("w0", "eaglet.services.extractor.worker", "--name", "w0")
-            wait_for("a few samples", lambda: state.counts()["done"] >= 5, 60, 0.01)
+            wait_for("a few samples", lambda: state.counts().done >= 5, 60, 0.01)
             filler = small_volume / "filler"
             filled = fill(filler)
-            before = state.counts()["done"]
+            before = state.counts().done
 
             def alerted() -> dict | None:
                 report = gateway.get("/status").json()
@@ -71,7 +71,7 @@ def test_disk_full_pauses_with_an_alert_and_resumes(redis, redis_server, setting
 
             run = wait_for("the disk alert and a worker in backoff", alerted, 60, 0.2)
             time.sleep(3)  # extraction stays paused while the disk is full
-            paused_at = state.counts()["done"]
+            paused_at = state.counts().done
             assert paused_at <= before + 1, "samples were completed on a full disk"
             hidden = settings.data_dir / "runs" / run_id / "hidden"
             assert not list(hidden.rglob("*.tmp")), "partial files left on the full disk"
@@ -80,10 +80,10 @@ def test_disk_full_pauses_with_an_alert_and_resumes(redis, redis_server, setting
     finally:
         stop_gateway()
     counts = check_outcome(redis, settings, run_id, n)
-    assert (counts["done"], counts["failed"]) == (n, 0), counts
+    assert (counts.done, counts.failed) == (n, 0), counts
     errors = [json.loads(e)["reason"] for e in redis.lrange(state.keys.errors, 0, -1)]
     full = [e for e in errors if "No space left" in e]
     log.warning("disk full: %d bytes of filler; alert %r; %d ENOSPC retries; done %d, failed %d", filled,
-                [a["message"] for a in run["alerts"] if a["kind"] == "disk"][0], len(full), counts["done"],
-                counts["failed"])  # fmt: skip
+                [a["message"] for a in run["alerts"] if a["kind"] == "disk"][0], len(full), counts.done,
+                counts.failed)  # fmt: skip
     assert full and events.count(run_id, "extraction_complete") == 1

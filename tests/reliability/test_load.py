@@ -103,7 +103,7 @@ def test_status_under_many_concurrent_clients(redis, gateway_process):
     started = time.perf_counter()
     try:
         ms, errors = asyncio.run(closed_loop(gateway_process))
-        done_at_end = RunState(redis, "load").counts()["done"]
+        done_at_end = RunState(redis, "load").counts().done
     finally:
         stop.set()
         writer.join(10)

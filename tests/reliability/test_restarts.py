@@ -48,7 +48,7 @@ def test_inference_server_killed_and_restarted_mid_run(redis, settings, tmp_path
         ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
         state = RunState(redis, run_id)
         for k in range(restarts):
-            wait_for("progress", lambda k=k: state.counts()["done"] >= (k + 1) * n // (restarts + 2), 120, 0.02)
+            wait_for("progress", lambda k=k: state.counts().done >= (k + 1) * n // (restarts + 2), 120, 0.02)
             stack.procs["inference"].send_signal(signal.SIGKILL)
             stack.procs["inference"].wait(10)
             time.sleep(2)
@@ -56,7 +56,7 @@ def test_inference_server_killed_and_restarted_mid_run(redis, settings, tmp_path
         wait_for("the run to complete", state.extraction_complete, 180)
         alive = {name: proc.poll() is None for name, proc in stack.procs.items()}
     counts = check_outcome(redis, settings, run_id, n)
-    assert (counts["done"], counts["failed"]) == (n, 0), counts
+    assert (counts.done, counts.failed) == (n, 0), counts
     assert all(alive.values()), alive
     reasons = [json.loads(e)["reason"] for e in redis.lrange(state.keys.errors, 0, -1)]
     transient = [r for r in reasons if "transient" in r]
@@ -70,7 +70,7 @@ def test_inference_server_killed_and_restarted_mid_run(redis, settings, tmp_path
         torch.testing.assert_close(stored["hidden_states"], expected.hidden_states, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(stored["aux_hidden_states"], expected.aux_hidden_states, atol=1e-5, rtol=1e-4)
     log.warning("inference restarts: %d SIGKILLs; %d transient errors, retries %d; done %d, failed %d",
-                restarts, len(transient), counts["retries"], counts["done"], counts["failed"])  # fmt: skip
+                restarts, len(transient), counts.retries, counts.done, counts.failed)  # fmt: skip
     assert events.count(run_id, "extraction_complete") == 1
 
 
@@ -87,34 +87,34 @@ def test_redis_killed_and_restarted_mid_run(redis, redis_server, settings, tmp_p
             ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
             state = RunState(redis, run_id)
             for k, kill in enumerate((True, False)):  # SIGKILL, then a clean stop
-                wait_for("progress", lambda k=k: state.counts()["done"] >= (k + 1) * n // 4, 120, 0.02)
+                wait_for("progress", lambda k=k: state.counts().done >= (k + 1) * n // 4, 120, 0.02)
                 redis.config_set("appendfsync", "always")  # what a SIGKILL must not lose: every write before it
                 before = state.counts()
                 redis_server.stop(kill=kill)
                 time.sleep(outage_s)
                 redis_server.start()
                 after = state.counts()  # what the AOF gave back: counters agree with the bitmaps, nothing lost
-                assert after["done"] >= before["done"], f"lost across the restart: {before} -> {after}"
-                assert after["done"] == redis.bitcount(state.keys.done), after
-                outages.append(before["done"])
+                assert after.done >= before.done, f"lost across the restart: {before} -> {after}"
+                assert after.done == redis.bitcount(state.keys.done), after
+                outages.append(before.done)
                 # The gateway answers again by itself, with the same figures.
                 report = wait_for("/status", lambda: _status(status), 30)
                 [run] = [r for r in report["runs"] if r["run_id"] == run_id]
-                assert run["extraction"]["done"] >= before["done"]
+                assert run["extraction"]["done"] >= before.done
             wait_for("the run to complete", state.extraction_complete, 240)
             alive = {name: proc.poll() is None for name, proc in stack.procs.items()}
             report = wait_for("/status", lambda: _status(status), 30)
     finally:
         stop_gateway()
     counts = check_outcome(redis, settings, run_id, n)
-    assert (counts["done"], counts["failed"]) == (n, 0), counts
+    assert (counts.done, counts.failed) == (n, 0), counts
     assert all(alive.values()), alive
     [run] = [r for r in report["runs"] if r["run_id"] == run_id]
     assert (run["extraction"]["done"], run["extraction"]["failed"]) == (n, 0)
-    assert run["storage"]["bytes_written"] == counts["bytes"]
+    assert run["storage"]["bytes_written"] == counts.bytes
     log.warning("redis restarts: %d (SIGKILL at %d done, clean stop at %d done), %.0fs down each; "
-                "done %d, failed %d, retries %d", len(outages), *outages, outage_s, counts["done"],
-                counts["failed"], counts["retries"])  # fmt: skip
+                "done %d, failed %d, retries %d", len(outages), *outages, outage_s, counts.done,
+                counts.failed, counts.retries)  # fmt: skip
     assert events.count(run_id, "extraction_complete") == 1
 
 

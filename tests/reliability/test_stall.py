@@ -37,7 +37,7 @@ def test_a_hung_server_stalls_the_run_and_withholds_its_eta(redis, redis_server,
             stack.start(f"w{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
         ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
         state = RunState(redis, run_id)
-        wait_for("a third of the run", lambda: state.counts()["done"] >= n // 3, 180, 0.02)
+        wait_for("a third of the run", lambda: state.counts().done >= n // 3, 180, 0.02)
         before = read_run(redis, run_id, config=config).run
         assert before.extraction.eta_s is not None and before.verdict == "running", before.brief
         server.send_signal(signal.SIGSTOP)
@@ -60,7 +60,7 @@ def test_a_hung_server_stalls_the_run_and_withholds_its_eta(redis, redis_server,
             time.sleep(0.5)
         completed = state.meta().extraction_complete
         counts = check_outcome(redis, settings, run_id, n)
-    assert (counts["done"], counts["failed"]) == (n, 0), counts
+    assert (counts.done, counts.failed) == (n, 0), counts
     ex = stalled.extraction
     assert ex.eta_s is None and ex.stalled_since is not None and ex.stalled_since <= hung_at + 1
     assert stalled.verdict.startswith("stalled for ") and "nothing finished since" in stalled.verdict

@@ -13,11 +13,11 @@ from rq import Queue
 from eaglet.cli.stack import LocalStack
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.ingest.jobs import ingest_new_run
-from eaglet.services.ingest.runs import create_run
 from eaglet.shared import heartbeats, keys
 from eaglet.shared.heartbeats import WorkerState
 from eaglet.shared.jobqueue import cancel, enqueue_ingest, run_queue
 from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.runs import create_run
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import samples_dir
@@ -50,7 +50,7 @@ def test_workers_killed_at_random_moments_lose_nothing(redis, settings, tmp_path
         while not state.extraction_complete():
             assert time.monotonic() < deadline, f"not complete: {state.counts()}"
             time.sleep(rng.uniform(0.3, 2.0))
-            if kills >= KILLS or state.counts()["done"] >= n - 10:
+            if kills >= KILLS or state.counts().done >= n - 10:
                 continue
             # Mostly a worker with a sample in flight (by the run state), sometimes any: a kill may land
             # anywhere in a job, between jobs, or while the worker is still starting.
@@ -73,11 +73,11 @@ def test_workers_killed_at_random_moments_lose_nothing(redis, settings, tmp_path
     log.warning(
         "worker kills: %d SIGKILLs (%d of a worker holding a sample, %d replaced under a new name); "
         "%d abandoned jobs queued again; done %d, failed %d, retries %d",
-        kills, busy_kills, renamed, len(requeued), counts["done"], counts["failed"], counts["retries"],
+        kills, busy_kills, renamed, len(requeued), counts.done, counts.failed, counts.retries,
     )  # fmt: skip
     # How many kills fit before the run ends depends on the machine's pace; half of them is still a chaos run.
     assert kills >= KILLS // 2, f"only {kills} kills landed before the run ended"
-    assert counts["failed"] == 0 and counts["done"] == n
+    assert counts.failed == 0 and counts.done == n
     assert requeued, "no kill hit a job in flight: the test proved nothing"
     assert events.count(run_id, "extraction_complete") == 1
 
@@ -118,7 +118,7 @@ def test_a_sample_that_kills_its_worker_every_time_ends_failed_with_the_reason(
         stop_server()
     failure = json.loads(redis.hget(state.keys.failures, "3"))
     log.warning("poison sample: %d kills; failure: %s", kills, failure["reason"])
-    assert (counts["done"], counts["failed"]) == (n - 1, 1)
+    assert (counts.done, counts.failed) == (n - 1, 1)
     assert kills == 3 and "died while extracting it, 3 times: given up" in failure["reason"]
     assert failure["sample_id"] == "p-3"
     assert events.count(run_id, "extraction_complete") == 1
@@ -138,7 +138,7 @@ def test_a_job_taken_by_a_worker_that_died_before_starting_it_is_found(redis, se
         state = RunState(redis, run_id)
         wait_for("the run to complete", state.extraction_complete, 60)
     counts = check_outcome(redis, settings, run_id, n)
-    assert counts["done"] == n
+    assert counts.done == n
     lost = [json.loads(e) for e in redis.lrange(state.keys.errors, 0, -1) if "job was lost" in e]
     assert [e["index"] for e in lost] == [taken]
     assert events.count(run_id, "extraction_complete") == 1

@@ -24,7 +24,7 @@ def test_done_counts_once_and_completes_once(redis):
     assert state.mark_done(2, 5, 100) == 2
     assert state.mark_done(2, 5, 100) == 0
     counts = state.counts()
-    assert (counts["done"], counts["failed"], counts["tokens"], counts["bytes"]) == (2, 1, 10, 200)
+    assert (counts.done, counts.failed, counts.tokens, counts.bytes) == (2, 1, 10, 200)
     assert state.extraction_complete() and state.stage() == Stage.extracted
 
 
@@ -32,7 +32,7 @@ def test_retry_of_a_failed_sample_moves_it_to_done(redis):
     state = new_run(redis, total=2)
     state.mark_failed(0, "s0", "boom")
     assert state.mark_done(0, 5, 1) == 1
-    assert state.counts()["failed"] == 0 and state.counts()["done"] == 1
+    assert state.counts().failed == 0 and state.counts().done == 1
     assert redis.hlen(state.keys.failures) == 0
 
 
@@ -52,7 +52,7 @@ def test_flag_set_exactly_once_under_concurrent_marks(redis, redis_server):
     threads = [threading.Thread(target=mark, args=(range(k, total, 4),)) for k in range(4)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    assert state.counts()["done"] == total
+    assert state.counts().done == total
     events = []
     while (message := pubsub.get_message(timeout=0.5)) is not None:
         events.append(json.loads(message["data"]))

@@ -35,11 +35,11 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.utils import parse_composite_key
 
-from eaglet.services.regenerate.progress import Progress, requeue_batch
 from eaglet.shared import heartbeats
 from eaglet.shared.jobqueue import REGEN_JOB, enqueue_batches, enqueue_samples, job_id, owner_alive, owner_of, run_queue
 from eaglet.shared.keys import RunKeys, queue_name
-from eaglet.shared.records import Stage, WorkerBeat
+from eaglet.shared.records import ExtractionCounts, Stage, WorkerBeat
+from eaglet.shared.regeneration import Progress, requeue_batch
 from eaglet.shared.runstate import RunState
 
 log = logging.getLogger(__name__)
@@ -83,12 +83,13 @@ class Reaper:
             return self._requeue_lost_batches(run_id, registry)
         total = meta.total
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hmget(k.counts, "done", "failed")
+        pipe.hgetall(k.counts)
         pipe.hlen(k.inflight)
         pipe.scard(k.abandoned)
-        (done, failed), in_flight, abandoned = pipe.execute()
+        raw_counts, in_flight, abandoned = pipe.execute()
+        counts = ExtractionCounts.from_redis(raw_counts)
         busy = run_queue(self.rq_redis, run_id).count or self.rq_redis.zcard(registry.key)
-        if total is None or int(done or 0) + int(failed or 0) >= total or busy or in_flight or abandoned:
+        if total is None or counts.done + counts.failed >= total or busy or in_flight or abandoned:
             self._idle_since.pop(run_id, None)
             return []
         since = self._idle_since.setdefault(run_id, time.monotonic())

@@ -1,8 +1,8 @@
 """Run control: start, cancel and retry runs. Takes its Redis connections and plain values, never settings.
 
 RQ pickles its jobs, so it gets a connection of its own that leaves replies as bytes (``queue_redis``);
-run state is read and written as text. A run is created by ingest's ``create_run`` (the one place a run id
-is claimed) and its ingest queued on the control queue, for an ingest worker.
+run state is read and written as text. A run is created and its first job queued by the shared core's
+``queue_run`` (eaglet/shared/runs.py), as ``eaglet regenerate`` and the demo do.
 """
 
 import logging
@@ -13,8 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis import Redis
 
-from eaglet.services.ingest.runs import create_run
-from eaglet.shared import jobqueue, keys
+from eaglet.shared import jobqueue, keys, runs
 from eaglet.shared.ids import check_id
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState, Stage
@@ -89,16 +88,9 @@ def resolve_dataset(dataset: str, roots: list[Path]) -> Path:
     return real
 
 
-def queue_run(redis: Redis, queue_redis: Redis, *, run_id: str, dataset: Path, options: RunOptions) -> RunStarted:
-    """Creates the run (``RunExists`` if the id is taken) and queues its ingest for an ingest worker, or first its
-    regeneration when the options ask for one (the ingest follows it in the same run)."""
-    create_run(redis, run_id, dataset, options)
-    if options.regenerate is None:
-        job_id = jobqueue.enqueue_ingest(queue_redis, run_id)
-    else:
-        job_id = jobqueue.enqueue_regeneration(queue_redis, run_id)
-    log.info("run %s: %s of %s queued as %s", run_id, "ingest" if options.regenerate is None else "regeneration",
-             dataset, job_id)  # fmt: skip
+def start_run(redis: Redis, queue_redis: Redis, *, run_id: str, dataset: Path, options: RunOptions) -> RunStarted:
+    """Creates the run (``RunExists`` if the id is taken) and queues its first job (``runs.queue_run``)."""
+    job_id = runs.queue_run(redis, queue_redis, run_id=run_id, dataset=dataset, options=options)
     return RunStarted(run_id=run_id, dataset=str(dataset), job_id=job_id)
 
 

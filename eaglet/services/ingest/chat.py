@@ -8,7 +8,7 @@ works for any template that renders a prefix of a conversation as a prefix of th
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from eaglet.services.ingest.records import BadLine
+from eaglet.shared.chatlines import BadLine
 
 
 def tokenize_conversation(

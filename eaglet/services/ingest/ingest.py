@@ -14,9 +14,9 @@ from typing import BinaryIO
 
 from transformers import PreTrainedTokenizerBase
 
-from eaglet.services.ingest import records
 from eaglet.services.ingest.chat import tokenize_conversation
-from eaglet.services.ingest.records import BadLine, Conversation, parse_line
+from eaglet.shared import chatlines
+from eaglet.shared.chatlines import BadLine, Conversation, parse_line
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.samples import SampleWriter
 
@@ -61,16 +61,16 @@ def ingest_dataset(
     first_line_of: dict[str, int | None] = dict.fromkeys(earlier_ids)
     with open(path, "rb") as f:
         f.seek(result.offset)
-        for line_no, (raw, size) in enumerate(_lines(f, records.MAX_LINE_BYTES), start=result.lines + 1):
+        for line_no, (raw, size) in enumerate(_lines(f, chatlines.MAX_LINE_BYTES), start=result.lines + 1):
             result.lines, result.offset = line_no, f.tell()
-            if size <= records.MAX_LINE_BYTES and not raw.strip():
+            if size <= chatlines.MAX_LINE_BYTES and not raw.strip():
                 continue
             if options.limit is not None and result.samples >= options.limit:
                 break
             sample_id = ""
             try:
-                if size > records.MAX_LINE_BYTES:
-                    raise BadLine(f"line of {size} bytes exceeds the {records.MAX_LINE_BYTES}-byte limit")
+                if size > chatlines.MAX_LINE_BYTES:
+                    raise BadLine(f"line of {size} bytes exceeds the {chatlines.MAX_LINE_BYTES}-byte limit")
                 record = parse_line(raw)
                 sample_id = record.sample_id
                 if sample_id in first_line_of:

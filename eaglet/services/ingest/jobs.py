@@ -1,6 +1,6 @@
 """Ingesting a created run: describe its target model, read its dataset, queue every sample for extraction.
 
-``ingest_run`` starts the ingest of a run made by ``create_run`` (eaglet/services/ingest/runs.py), or takes it
+``ingest_run`` starts the ingest of a run made by ``create_run`` (eaglet/shared/runs.py), or takes it
 up from its last flush if the process that ran it died: the cursor is in the run's record. ``eaglet ingest``
 calls it in its own process; ``ingest_job`` is the same as an RQ job on the control queue, run by an ingest
 worker (eaglet/services/ingest/worker.py).
@@ -14,7 +14,6 @@ from redis import Redis
 from transformers import AutoTokenizer
 
 from eaglet.services.ingest.ingest import IngestResult, ingest_dataset
-from eaglet.services.ingest.runs import create_run
 from eaglet.shared.config import Settings
 from eaglet.shared.fp4 import FP4_BLOCK, Fp4Error
 from eaglet.shared.jobqueue import cancel, enqueue_samples
@@ -22,6 +21,7 @@ from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.layout import NUM_AUX
 from eaglet.shared.records import ACTIVE_STAGES, RunMeta
 from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.runs import create_run
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet, SampleWriter
 from eaglet.shared.store import samples_dir

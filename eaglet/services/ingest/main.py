@@ -12,11 +12,11 @@ from typing import get_args
 from redis import Redis
 
 from eaglet.services.ingest.jobs import NoIngestToTakeUp, ingest_new_run, ingest_run
-from eaglet.services.ingest.runs import RunExists
 from eaglet.shared.config import Settings
 from eaglet.shared.ids import UnsafeName
 from eaglet.shared.layout import AuxStorage, FinalStorage
 from eaglet.shared.runoptions import DEFAULT_TOPK, Overlong, RunOptions, StoreDtype
+from eaglet.shared.runstate import RunExists
 
 DEFAULTS = RunOptions()
 

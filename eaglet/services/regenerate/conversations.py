@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from eaglet.services.ingest.records import MAX_LINE_BYTES, ROLES, SHAREGPT_ROLES, BadLine
+from eaglet.shared.chatlines import MAX_LINE_BYTES, ROLES, SHAREGPT_ROLES, BadLine
 from eaglet.shared.ids import UnsafeName, check_id
 
 

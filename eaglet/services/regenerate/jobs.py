@@ -20,14 +20,14 @@ from rq import get_current_job
 from rq.exceptions import AbandonedJobError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from eaglet.services.ingest.records import BadLine
 from eaglet.services.regenerate.chatclient import ChatClient, EndpointError
 from eaglet.services.regenerate.conversations import Prompt, parse_prompt, read_lines
-from eaglet.services.regenerate.progress import Batch, Progress, requeue_batch
 from eaglet.services.regenerate.results import ResultFile, assemble, batch_path, output_path
+from eaglet.shared.chatlines import BadLine
 from eaglet.shared.config import Settings
 from eaglet.shared.jobqueue import enqueue_batches, enqueue_ingest, owner_of
 from eaglet.shared.records import Stage
+from eaglet.shared.regeneration import Batch, Progress, requeue_batch
 from eaglet.shared.runoptions import RegenerateOptions, RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.target import resolve_model_dir, text_config
@@ -67,7 +67,7 @@ def plan_run(redis: Redis, rq_redis: Redis, run_id: str) -> int:
         progress.plan(batches, total)
         log.info("run %s: %d prompts in %d batches to regenerate", run_id, total, len(batches))
     enqueue_batches(rq_redis, run_id, progress.unfinished_batches())
-    return progress.counts()["total"]
+    return progress.counts().total
 
 
 def cut_batches(path: Path, size: int) -> tuple[list[Batch], int]:

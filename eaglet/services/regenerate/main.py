@@ -1,10 +1,10 @@
 """``eaglet regenerate``: start a run by regenerating a dataset's assistant turns with the target.
 
 Takes prompts (``{"id", "prompt"}``) or conversations (ShareGPT, OpenAI messages); every user turn is answered by
-the target after its own earlier answers. The run is created, its input cut into batches and queued here; the
-extractor workers regenerate the batches through the chat endpoint, and the run goes on to ingest and extraction
-with the regenerated file as its dataset, or ends once it is written (``--stop-after``). ``POST /runs`` with
-``options.regenerate`` does the same.
+the target after its own earlier answers. The run is created and its planning queued here, as ``POST /runs`` does: an
+ingest worker cuts its input into batches and queues them, the extractor workers regenerate the batches through the
+chat endpoint, and the run goes on to ingest and extraction with the regenerated file as its dataset, or ends once it
+is written (``--stop-after``).
 """
 
 import argparse
@@ -16,13 +16,13 @@ from typing import get_args
 
 from redis import Redis
 
-from eaglet.services.ingest.runs import RunExists, create_run
-from eaglet.services.regenerate.jobs import plan_run
-from eaglet.services.regenerate.progress import Progress
 from eaglet.shared.config import Settings
 from eaglet.shared.ids import UnsafeName
 from eaglet.shared.records import Stage
+from eaglet.shared.regeneration import Progress
 from eaglet.shared.runoptions import Reasoning, RegenerateOptions, RunOptions
+from eaglet.shared.runs import queue_run
+from eaglet.shared.runstate import RunExists, RunState
 
 DEFAULTS = RegenerateOptions()
 
@@ -71,19 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings()
     redis = Redis.from_url(settings.redis_url, decode_responses=True)
     try:
-        state = create_run(redis, args.run, args.input, args.options)
+        job_id = queue_run(redis, Redis.from_url(settings.redis_url), run_id=args.run, dataset=args.input,
+                           options=args.options)  # fmt: skip
     except (RunExists, UnsafeName, FileNotFoundError) as e:
         sys.stderr.write(f"eaglet regenerate: {e}\n")
         return 2
-    total = plan_run(redis, Redis.from_url(settings.redis_url), args.run)
-    sys.stdout.write(f"run {args.run}: {total} prompts queued for regeneration; the extractor workers take them\n")
+    sys.stdout.write(f"run {args.run}: regeneration queued ({job_id}); an ingest worker cuts it into batches, "
+                     "the extractor workers answer them\n")  # fmt: skip
     if not args.wait:
-        return 0 if total else 1
+        return 0
+    state = RunState(redis, args.run)
     progress = Progress(redis, args.run)
     while (stage := state.stage()) == Stage.regenerating:
         c = progress.counts()
-        sys.stdout.write(f"\r{c.get('done', 0)} done, {c.get('failed', 0)} failed of {c.get('total', 0)}; "
-                         f"{c.get('tokens_out', 0)} tokens out")  # fmt: skip
+        sys.stdout.write(f"\r{c.done} done, {c.failed} failed of {c.total}; "
+                         f"{c.tokens_out} tokens out")  # fmt: skip
         sys.stdout.flush()
         time.sleep(1)
     meta = state.meta()

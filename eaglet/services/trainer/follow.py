@@ -75,10 +75,6 @@ class FollowSettings(Settings):
     """Touched on every turn of the loop (and while a training runs): the container's healthcheck reads it."""
 
 
-def lock_key(run_id: str) -> str:
-    return f"{RunKeys(run_id).train}:lock"
-
-
 def trainer_command(settings: FollowSettings, run_id: str) -> list[str]:
     args = ["-m", "eaglet.services.trainer.main", "--run-id", run_id]  # torchrun would take --run for its --run-path
     if settings.release_gpus_when_done:
@@ -105,7 +101,7 @@ def next_run(redis: Redis, settings: FollowSettings, owner: str) -> str | None:
         if state.stage() not in CLAIMABLE or (state.train().follow_attempts or 0) >= settings.train_max_attempts:
             continue
         ttl_ms = int(settings.train_lock_ttl_s * 1000)
-        if redis.set(lock_key(run_id), owner, nx=True, px=ttl_ms):
+        if redis.set(RunKeys(run_id).train_lock, owner, nx=True, px=ttl_ms):
             return run_id
     return None
 
@@ -134,7 +130,7 @@ def train_run(redis: Redis, settings: FollowSettings, run_id: str, owner: str, s
                 state.add_train_attempt(-1)
                 signalled = True
             try:
-                if not redis.eval(RENEW, 1, lock_key(run_id), owner, ttl_ms):
+                if not redis.eval(RENEW, 1, RunKeys(run_id).train_lock, owner, ttl_ms):
                     log.warning("run %s: lost the training lock (expired); training on", run_id)
             except RedisError:  # Redis restarting: the training goes on; renew next time
                 log.warning("run %s: could not renew the training lock", run_id, exc_info=True)
@@ -142,7 +138,7 @@ def train_run(redis: Redis, settings: FollowSettings, run_id: str, owner: str, s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        redis.eval(UNLOCK, 1, lock_key(run_id), owner)
+        redis.eval(UNLOCK, 1, RunKeys(run_id).train_lock, owner)
     log.info("run %s: trainer exited with %d (stage %s)", run_id, rc, state.stage())
     return rc
 

@@ -126,7 +126,7 @@ def describe_extraction(state: RunState) -> str:
     meta, counts = state.meta(), state.counts()
     total = "?" if meta.total is None else meta.total
     return (
-        f"extraction to complete: {counts.get('done', 0)} done, {counts.get('failed', 0)} failed of {total} samples "
+        f"extraction to complete: {counts.done} done, {counts.failed} failed of {total} samples "
         f"(stage {meta.stage}); --allow-partial trains on what exists"
     )
 

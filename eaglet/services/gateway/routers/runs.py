@@ -13,7 +13,7 @@ from eaglet.services.gateway.deps import (
     StatusConfigDep,
     TokenDep,
 )
-from eaglet.services.ingest.runs import RunExists
+from eaglet.shared.runstate import RunExists
 from eaglet.shared.series import RunSeries, read_series
 from eaglet.shared.status import read_run
 from eaglet.shared.statusreport import RunReport
@@ -56,7 +56,7 @@ def post_run(
         raise _field_error("dataset", str(e)) from e
     run_id = body.run_id or control.new_run_id()
     try:
-        return control.queue_run(redis, queue_redis, run_id=run_id, dataset=dataset, options=body.options)
+        return control.start_run(redis, queue_redis, run_id=run_id, dataset=dataset, options=body.options)
     except RunExists as e:
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
 

@@ -14,6 +14,7 @@ from redis import Redis
 
 from eaglet.shared.jobqueue import enqueue_batches
 from eaglet.shared.keys import RunKeys
+from eaglet.shared.records import RegenCounts
 from eaglet.shared.runstate import RECENT_CAP
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class Progress:
         pipe.execute()
 
     def batches(self) -> int:
-        return int(self.redis.hget(self.keys.regen, "batches") or 0)
+        return self.counts().batches
 
     def batch(self, n: int) -> Batch:
         return Batch(**json.loads(self.redis.lindex(self.keys.regen_batches, n)))
@@ -113,8 +114,8 @@ class Progress:
     def complete(self) -> bool:
         return self.redis.hexists(self.keys.regen, "complete")
 
-    def counts(self) -> dict[str, int]:
-        return {k: int(float(v)) for k, v in self.redis.hgetall(self.keys.regen).items() if k != "started_at"}
+    def counts(self) -> RegenCounts:
+        return RegenCounts.from_redis(self.redis.hgetall(self.keys.regen))
 
 
 def requeue_batch(redis: Redis, rq_redis: Redis, run_id: str, batch: int, why: str, max_lost: int) -> str:

@@ -1,0 +1,73 @@
+"""Services meet only through the shared core: no module of one service imports another service, and the shared
+core imports no service. Tests, the benches and ``eaglet/cli`` (the command's dispatch, the local stack, the demo)
+start every service, so they are not walked. The job functions the shared queue names as strings are real ones."""
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+from eaglet.shared import jobqueue
+from tests.conftest import ROOT
+
+PACKAGE = ROOT / "eaglet"
+SERVICES = sorted(p.name for p in (PACKAGE / "services").iterdir() if (p / "__init__.py").is_file())
+
+
+def imported(path: Path) -> set[str]:
+    """Every absolute module name ``path`` imports, at its top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def service_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["eaglet", "services"] and len(parts) > 2 else None
+
+
+def crossings(folder: Path, own: str | None) -> list[str]:
+    """``file -> module`` for each import in ``folder`` of a service other than ``own``."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for name in sorted(imported(path)):
+            other = service_of(name)
+            if other is not None and other != own:
+                found.append(f"{path.relative_to(ROOT)} -> {name}")
+    return found
+
+
+def test_the_walk_sees_imports_inside_functions(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from eaglet.services.ingest.jobs import ingest_job\n")
+    assert service_of(min(n for n in imported(source) if n.startswith("eaglet"))) == "ingest"
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_service_imports_no_other_service(service):
+    assert crossings(PACKAGE / "services" / service, service) == []
+
+
+def test_the_shared_core_imports_no_service():
+    assert crossings(PACKAGE / "shared", None) == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        jobqueue.EXTRACT_JOB,
+        jobqueue.EXTRACT_FAILED,
+        jobqueue.INGEST_JOB,
+        jobqueue.REGEN_PLAN_JOB,
+        jobqueue.REGEN_JOB,
+        jobqueue.REGEN_FAILED,
+    ],  # fmt: skip
+)
+def test_every_queued_job_names_a_function(path):
+    module, _, name = path.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), name))
