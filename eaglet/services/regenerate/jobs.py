@@ -103,8 +103,8 @@ def regenerate_batch(run_id: str, batch: int, give_up: str = "") -> str:
             runner.count(entry)
         todo = [p for p in runner.read(spec) if p[0] not in written]
         if give_up:
-            for index, line, _ in todo:
-                runner.finish(results, {"index": index, "line": line, "id": "", "error": give_up})
+            for prompt in todo:
+                runner.give_up(results, *prompt, give_up)
         else:
             with ThreadPoolExecutor(options.concurrency, thread_name_prefix=f"regen-{batch}") as pool:
                 list(pool.map(lambda p: runner.regenerate(results, *p), todo))
@@ -141,6 +141,11 @@ def finish_if_complete(redis: Redis, rq_redis: Redis, data_dir: Path, state: Run
         return False
     out = output_path(data_dir, state.run_id)
     written, failed = assemble((batch_path(data_dir, state.run_id, b) for b in range(progress.batches())), out)
+    if written == 0:  # nothing to ingest or keep: the run failed, and says why
+        reason = f"regeneration gave up all {failed} prompts; their reasons are in the run's errors"
+        if state.fail(reason) is not None:
+            log.warning("run %s: %s", state.run_id, reason)
+        return False
     if not state.finish_regeneration(str(out), stop=opts.stop_after):
         return False
     log.info("run %s: %d conversations regenerated into %s, %d prompts given up", state.run_id, written, out, failed)
@@ -181,13 +186,21 @@ class BatchRunner:
             return  # cancelled or failed meanwhile: what is left stays undone
         entry = {"index": index, "line": line, "id": ""}
         try:
-            if raw is None:
-                raise BadLine("line over the size limit")
-            prompt = parse_prompt(raw, line)
+            prompt = _parse(raw, line)
             entry["id"] = prompt.prompt_id
             self._check_context(prompt)
             entry.update(self._answer(prompt))
         except (BadLine, EndpointError) as e:
+            entry["error"] = str(e)
+        self.finish(results, entry)
+
+    def give_up(self, results: ResultFile, index: int, line: int, raw: bytes | None, why: str) -> None:
+        """The prompt recorded as failed without asking the endpoint, under its own id; a bad line keeps its own
+        reason, since asking again would not have helped it."""
+        entry = {"index": index, "line": line, "id": "", "error": why}
+        try:
+            entry["id"] = _parse(raw, line).prompt_id
+        except BadLine as e:
             entry["error"] = str(e)
         self.finish(results, entry)
 
@@ -235,6 +248,13 @@ class BatchRunner:
                 answer = f"<think>\n{c.reasoning.strip()}\n</think>\n\n{c.content.lstrip()}"
             kept.append({"role": "assistant", "content": answer})
         return {"messages": kept, "tokens_in": tokens_in, "tokens_out": tokens_out, "retries": retries}
+
+
+def _parse(raw: bytes | None, line: int) -> Prompt:
+    """The line's prompt; BadLine with the reason when it is not one (``raw`` None: the line was over the limit)."""
+    if raw is None:
+        raise BadLine("line over the size limit")
+    return parse_prompt(raw, line)
 
 
 @functools.lru_cache(maxsize=2)
