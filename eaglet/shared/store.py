@@ -150,7 +150,7 @@ def write_sample(
     parts: dict[str, torch.Tensor | FileSlice] = {}
     for name in sorted(encoded, key=lambda k: -encoded[k].nbytes):  # largest first: every part stays aligned
         kept = slices is not None and name in slices and encoded[name] is tensors.get(name)
-        parts[name] = slices[name] if kept else encoded[name]
+        parts[name] = slices[name] if kept and slices is not None else encoded[name]
     tmp = partial_path(path, writer or str(os.getpid()))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # inside the try: a full disk fails here too
@@ -190,7 +190,7 @@ def sample_is_complete(path: Path, num_tokens: int) -> bool:
     if found is None:
         return False
     shapes, metadata = found
-    names = SAMPLE_TENSORS
+    names: tuple[str, ...] = SAMPLE_TENSORS
     if metadata.get("storage") == FP8_STORAGE:
         names += tuple(f"{k}_scale" for k in STATE_TENSORS)
         if any(k not in shapes for k in names):
