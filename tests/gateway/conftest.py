@@ -114,7 +114,8 @@ class FakeRun:
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def ingest(self, bad_line: str = "data.jsonl:7") -> None:
-        self.state.create(dataset="/datasets/data.jsonl", model="tiny")
+        if not self.state.exists():  # a run is created once; a test may have created it to see it ingesting
+            self.state.create(dataset="/datasets/data.jsonl", model="tiny")
         self.state.record_error(-1, bad_line, "not JSON: Expecting value", "ingest", final=True)
         self._error(-1, bad_line, "not JSON: Expecting value")
         self.state.start_extraction()  # as ingest does: the first samples are queued before the total is known
