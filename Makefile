@@ -33,10 +33,11 @@ demo: $(VENV)/.installed redis
 test: install redis test-system
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/pytest -q
 
 lint: install
-	$(BIN)/ruff format --check . && $(BIN)/ruff check .
+	$(BIN)/ruff format --check . && $(BIN)/ruff check . && $(BIN)/mypy
 
 format: install
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .

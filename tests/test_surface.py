@@ -1,4 +1,5 @@
-"""eaglet's outside surface, frozen: every flag of every ``eaglet`` command and every EAGLET_* setting.
+"""eaglet's outside surface, frozen: every flag of every ``eaglet`` command and of the GPU image's launcher, every
+EAGLET_* setting, and every EAGLET_* variable the launcher and the SGLang plugin read.
 
 Scripts, compose files and people's shells use these names; renaming one breaks them without a failing test
 anywhere else. A change here is meant to be deliberate: rewrite the snapshot and review its diff with the code.
@@ -11,6 +12,7 @@ import difflib
 import importlib
 import os
 import pkgutil
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,14 @@ from pydantic_settings import BaseSettings
 
 import eaglet
 from eaglet.cli import main as cli
+from eaglet.services.inference import sglang_launch
+
+INFERENCE = Path(sglang_launch.__file__).parent
+# The launcher and the plugin run in SGLang's image, outside pydantic's settings: their variables are read by name.
+RAW_ENV_READERS = [
+    INFERENCE / "sglang_launch.py",
+    *sorted((INFERENCE / "sglang_plugin" / "eaglet_sglang").glob("*.py")),
+]
 
 SNAPSHOT = Path(__file__).with_name("surface.txt")
 REGENERATE = "EAGLET_UPDATE_SURFACE=1 pytest tests/test_surface.py"
@@ -79,6 +89,17 @@ def settings_classes() -> set[type[BaseSettings]]:
     return found
 
 
+def launcher_lines() -> list[str]:
+    """The GPU image's entry point (``python -m eaglet.services.inference.sglang_launch``): its own flags."""
+    parser = sglang_launch.launcher_parser()
+    formatter = parser._get_formatter()
+    return [
+        f"sglang-launch {formatter._format_action_invocation(action)}"
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction)
+    ]
+
+
 def setting_lines() -> list[str]:
     # The variable names only: moving a field between Settings classes changes no one's environment.
     names = {
@@ -86,11 +107,13 @@ def setting_lines() -> list[str]:
         for cls in settings_classes()
         for name in cls.model_fields
     }
+    for path in RAW_ENV_READERS:
+        names |= set(re.findall(r"\bEAGLET_[A-Z0-9_]+\b", path.read_text()))
     return sorted(name for name in names if name.startswith("EAGLET_"))
 
 
 def test_the_surface_matches_the_snapshot(monkeypatch):
-    current = "\n".join([*command_lines(monkeypatch), *setting_lines()]) + "\n"
+    current = "\n".join([*command_lines(monkeypatch), *launcher_lines(), *setting_lines()]) + "\n"
     if os.environ.get("EAGLET_UPDATE_SURFACE") == "1":
         SNAPSHOT.write_text(HEADER + current)
         return

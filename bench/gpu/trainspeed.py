@@ -54,6 +54,7 @@ from eaglet.services.trainer.model import drafter_config
 from eaglet.services.trainer.objective import objective_options
 from eaglet.services.trainer.train import train
 from eaglet.shared.layers import default_layer_ids
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.samples import SampleWriter
 from eaglet.shared.store import run_dir, sample_path, samples_dir, write_sample
 
@@ -495,9 +496,7 @@ PHASES: dict[str, Callable[[], None]] = {
 ESTIMATE_S = {phase: phase_estimate for phase in PHASES}
 
 if __name__ == "__main__":
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     P.PHASES.update(PHASES)
     P.ESTIMATE_S.update(ESTIMATE_S)
     raise SystemExit(P.main())

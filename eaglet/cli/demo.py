@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from eaglet.cli.stack import LocalStack
 from eaglet.shared import regeneration
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect, connect_raw
 from eaglet.shared.runoptions import RegenerateOptions, RunOptions
 from eaglet.shared.runs import queue_run
 from eaglet.shared.runstate import RunState, Stage
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"EAGLET_INFERENCE_URL": settings.inference_url, "EAGLET_REDIS_URL": settings.redis_url}
     with LocalStack(Path("var/logs") / run_id, env=env) as stack:
         stack.ensure_redis(settings.redis_url, Path("var/redis"))
-        redis = Redis.from_url(settings.redis_url, decode_responses=True)
+        redis = connect(settings.redis_url)
         console.print(f"[bold]eaglet demo[/] run [cyan]{run_id}[/]: starting the inference server on {settings.model}")
         stack.start("gateway", "eaglet.services.gateway.main", "--port", str(args.gateway_port))
         # Under the inference service's supervisor, as in the compose stack: it reports the server's GPUs.
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print("regeneration skipped (--regenerate-prompts 0): the demo answers are SmolLM2's already")
         options = RunOptions(max_tokens=2048, limit=args.limit)
         # RQ's jobs are pickled bytes: a client of its own
-        queue_run(redis, Redis.from_url(settings.redis_url), run_id=run_id, dataset=args.dataset, options=options)
+        queue_run(redis, connect_raw(settings.redis_url), run_id=run_id, dataset=args.dataset, options=options)
         state = RunState(redis, run_id)
         total = _wait_for_ingest(console, state, stack.log_dir)
         if total is None:
@@ -115,7 +116,7 @@ def _regenerate(console: Console, redis: Redis, settings: Settings, run_id: str,
         source.write_text("".join(line for _, line in zip(range(n), f, strict=False)))
     started = time.monotonic()
     options = RunOptions(regenerate=DEMO_REGENERATE)
-    queue_run(redis, Redis.from_url(settings.redis_url), run_id=run_id, dataset=source, options=options)
+    queue_run(redis, connect_raw(settings.redis_url), run_id=run_id, dataset=source, options=options)
     state = RunState(redis, run_id)
     progress = regeneration.Progress(redis, run_id)
     with console.status(f"regenerating {n} prompts' answers with the target (run {run_id})"):

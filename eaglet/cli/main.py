@@ -17,8 +17,9 @@ eaglet demo                        all of it on the bundled model, on this machi
 
 import argparse
 import importlib
-import logging
 import sys
+
+from eaglet.shared.logs import setup_logging
 
 # Each command is an entry point's ``main(argv)``, imported on use.
 ENTRY_POINTS = {
@@ -53,7 +54,7 @@ def prepare_model() -> int:
     from eaglet.shared.config import Settings
     from eaglet.shared.target import resolve_model_dir
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     settings = Settings()
     sys.stdout.write(f"{resolve_model_dir(settings.model, settings.model_cache_dir)}\n")
     return 0

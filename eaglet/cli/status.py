@@ -17,6 +17,7 @@ from rich.text import Text
 from eaglet.shared import statustext as words
 from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.config import StatusSettings
+from eaglet.shared.connections import connect
 from eaglet.shared.records import FINISHED_STAGES
 from eaglet.shared.status import disk_usage, read_run, read_status
 from eaglet.shared.statusreport import Cluster, InferenceStatus, RunStatus
@@ -149,7 +150,7 @@ def snapshot(redis: Redis, args: argparse.Namespace, config: StatusConfig, disk)
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = StatusSettings()
-    redis = Redis.from_url(args.redis_url or settings.redis_url, decode_responses=True)
+    redis = connect(args.redis_url or settings.redis_url)
     config, console = settings.status_config(), Console(soft_wrap=args.brief)  # a brief line stays one line
     disk = disk_usage(settings.data_dir)
     try:

@@ -65,7 +65,7 @@ def run_alerts(
     ex, rg = run.extraction, run.regeneration
     regenerating = run.stage == Stage.regenerating and rg is not None and rg.remaining != 0
     extracting = run.stage in ACTIVE_STAGES and ex.remaining != 0 and run.stage != Stage.regenerating
-    if regenerating:
+    if regenerating and rg is not None:
         usual = usual_interval(completions)
         since = rg.last_done_at or rg.started_at or run.created_at or now
         limit = stall_limit(usual, config)
@@ -99,6 +99,7 @@ def run_alerts(
     st = run.storage
     if (
         st.projected_remaining_bytes is not None
+        and st.projected_total_bytes is not None
         and st.disk_free is not None
         and st.projected_remaining_bytes > st.disk_free
     ):

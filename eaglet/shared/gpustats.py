@@ -43,7 +43,7 @@ class GpuReader:
         if self._unknown:
             return None, self._unknown
         try:
-            return [self._stat(h) for h in self._handles], ""
+            return [self._stat(h) for h in self._handles or []], ""
         except pynvml.NVMLError as e:  # a GPU fell off the bus, the driver was unloaded: say so, try next time
             return None, f"NVML failed ({e})"
 

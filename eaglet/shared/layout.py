@@ -16,7 +16,7 @@ projection before the first sample is stored both come from it.
 """
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 import torch
 
@@ -52,18 +52,20 @@ class Layout:
         options = options or {}
         final = options.get("store_final") or "all"
         topk = options.get("store_topk") or 0
-        return cls(final=final, topk=topk if final == "topk" else 0, aux=options.get("store_aux") or "full")
+        aux = options.get("store_aux") or "full"  # both checked by the constructor
+        return cls(final=cast(FinalStorage, final), topk=topk if final == "topk" else 0, aux=cast(AuxStorage, aux))
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, str]) -> "Layout":
         """The layout a stored sample's metadata names (a sample written before layouts existed: the default)."""
         final = metadata.get("final_storage", "all")
         aux = "fp4" if metadata.get("aux_storage") == FP4_STORAGE else "full"
-        return cls(final=final, topk=int(metadata.get("topk", 0)) if final == "topk" else 0, aux=aux)
+        topk = int(metadata.get("topk", 0)) if final == "topk" else 0
+        return cls(final=cast(FinalStorage, final), topk=topk, aux=cast(AuxStorage, aux))
 
     def metadata(self) -> dict[str, str]:
         """What a stored sample's metadata records of its layout (nothing for the default: files read as before)."""
-        out = {}
+        out: dict[str, str] = {}
         if self.final != "all":
             out["final_storage"] = self.final
         if self.final == "topk":

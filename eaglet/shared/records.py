@@ -30,7 +30,7 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum, StrEnum
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 
 class Stage(StrEnum):
@@ -117,6 +117,7 @@ class HashRecord:
     """The Redis side of a record stored as a hash, one field per attribute."""
 
     __slots__ = ()
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # every record is a dataclass: ``fields`` reads its fields
 
     def to_redis(self) -> dict[str, str]:
         return {f.name: _encode(v) for f in fields(self) if (v := getattr(self, f.name)) is not None}

@@ -86,7 +86,7 @@ class RedisServer:
         argv = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder), "--save", ""]
         argv += ["--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec"]
         argv += ["--requirepass", self.password] if self.password else []
-        out = open(self.log, "ab") if self.log else subprocess.DEVNULL
+        out = open(self.log, "ab") if self.log else None
         try:
             self.proc = subprocess.Popen(
                 argv,
@@ -96,7 +96,7 @@ class RedisServer:
                 start_new_session=True,  # a Ctrl-C meant for its starter does not stop it before the processes using it
             )
         finally:
-            if self.log:
+            if out is not None:
                 out.close()
         deadline = time.monotonic() + timeout
         where = f"; see {self.log}" if self.log else ""

@@ -28,12 +28,12 @@ def create_run(redis: Redis, run_id: str, dataset: Path, options: RunOptions) ->
         raise FileNotFoundError(f"dataset {dataset}: no such file")
     state = RunState(redis, run_id)
     # Absolute: whoever ingests (a worker, a later --resume) may run from another folder.
-    dataset = str(Path(dataset).absolute())
+    absolute = str(Path(dataset).absolute())
     if options.regenerate is None:
-        state.create(dataset=dataset, options=options.to_json())
+        state.create(dataset=absolute, options=options.to_json())
     else:  # ``dataset`` becomes the regenerated file once it is written
-        state.create(Stage.regenerating, dataset=dataset, regenerate_input=dataset, options=options.to_json())
-    log.info("run %s: created for %s", run_id, dataset)
+        state.create(Stage.regenerating, dataset=absolute, regenerate_input=absolute, options=options.to_json())
+    log.info("run %s: created for %s", run_id, absolute)
     return state
 
 

@@ -13,6 +13,7 @@ read and written as records (eaglet/shared/records.py).
 import json
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from redis import Redis
 
@@ -161,7 +162,7 @@ class RunState:
         self._reopen_failed = redis.register_script(REOPEN_FAILED)
         self._move_stage = redis.register_script(MOVE_STAGE)
 
-    def create(self, stage: Stage = Stage.ingesting, **meta: object) -> None:
+    def create(self, stage: Stage = Stage.ingesting, **meta: Any) -> None:
         """Registers the run (stage ``ingesting``, or ``regenerating`` for a run that starts by regenerating its
         dataset) with the ``RunMeta`` fields given, claiming its id (``RunExists`` if taken); ``total`` is set by
         ``set_total`` once ingest is done."""
@@ -189,7 +190,7 @@ class RunState:
         if fields:
             self.redis.hset(self.keys.meta, mapping=fields)
 
-    def claim_captured_layers(self, layers: list[int]) -> list[int]:
+    def claim_captured_layers(self, layers: list[int]) -> list[int] | None:
         """The run's captured layers: ``layers`` if none were set (the first dump checked sets them), else those set
         before, unchanged. One transaction: of workers racing with their first dumps, one sets them, all get them."""
         pipe = self.redis.pipeline()
@@ -282,14 +283,14 @@ class RunState:
     def gpus_released(self) -> bool:
         return self.redis.hexists(self.keys.meta, GPUS_RELEASED)
 
-    def _move(self, to: Stage, allowed: Iterable[Stage], **fields: object) -> Stage | None:
+    def _move(self, to: Stage, allowed: Iterable[Stage], **fields: Any) -> Stage | None:
         """Moves the stage to ``to`` if it is one of ``allowed``, setting the ``RunMeta`` fields given with it;
         returns the stage before, or None if it was not allowed."""
-        allowed = [str(s) for s in allowed]
+        names = [str(s) for s in allowed]
         pairs = [x for item in RunMeta(**fields).to_redis().items() for x in item]
         event = json.dumps({"run": self.run_id, "event": f"stage:{to}", "ts": time.time()})
         moved, before = self._move_stage(
-            keys=[self.keys.meta, keys.EVENTS], args=[str(to), event, len(allowed), *allowed, *pairs]
+            keys=[self.keys.meta, keys.EVENTS], args=[str(to), event, len(names), *names, *pairs]
         )
         return Stage(before) if moved else None
 

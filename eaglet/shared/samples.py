@@ -15,6 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -43,7 +44,7 @@ class SampleWriter:
         self.samples, self.tokens = keep or (0, 0)
         names = ("input_ids.bin", "loss_mask.bin", "index.bin")
         if keep is None:
-            self._files = [open(self.folder / name, "wb") for name in names]
+            self._files: list[BinaryIO] = [open(self.folder / name, "wb") for name in names]
             return
         self._files = [open(self.folder / name, "r+b") for name in names]
         for f, size in zip(self._files, (4 * self.tokens, self.tokens, INDEX_DTYPE.itemsize * self.samples),
@@ -60,7 +61,8 @@ class SampleWriter:
         if ids.shape != mask.shape:
             raise ValueError(f"sample {sample_id}: input_ids and loss_mask differ in length")
         row = np.array([(self.tokens, len(ids), int(mask.sum()), sample_id.encode())], dtype=INDEX_DTYPE)
-        for f, data in zip(self._files, (ids, mask, row), strict=True):
+        arrays: tuple[np.ndarray, ...] = (ids, mask, row)
+        for f, data in zip(self._files, arrays, strict=True):
             f.write(data.tobytes())
         self.tokens += len(ids)
         self.samples += 1
@@ -90,7 +92,9 @@ class SampleSet:
     def _map(self) -> None:
         # Maps what is on disk now; a reader asked for a sample appended later maps again.
         rows = os.path.getsize(self.folder / "index.bin") // INDEX_DTYPE.itemsize
-        index = np.memmap(self.folder / "index.bin", dtype=INDEX_DTYPE, mode="r", shape=(rows,)) if rows else []
+        index: np.ndarray | list = (
+            np.memmap(self.folder / "index.bin", dtype=INDEX_DTYPE, mode="r", shape=(rows,)) if rows else []
+        )
         # The writer's three files reach the disk one by one (a full buffer, a flush, a kill between them): an index
         # row whose tokens are not all there yet is left out, as if not yet appended.
         on_disk = min(
@@ -120,7 +124,9 @@ class SampleSet:
             raise IndexError(f"sample index {i} out of range 0..{len(self.index) - 1} in {self.folder}")
         row = self.index[i]
         start, end = int(row["offset"]), int(row["offset"]) + int(row["length"])
-        return Sample(i, row["id"].decode(), np.array(self._ids[start:end]), np.array(self._mask[start:end]))
+        ids, mask = self._ids, self._mask
+        assert ids is not None and mask is not None  # a sample in range: its tokens were mapped
+        return Sample(i, row["id"].decode(), np.array(ids[start:end]), np.array(mask[start:end]))
 
     def length(self, i: int) -> int:
         return int(self.index[i]["length"])

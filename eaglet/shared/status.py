@@ -70,7 +70,8 @@ def read_status(
         _queue_run(pipe, run_id, config)
     replies = pipe.execute()
     now = time.time() if now is None else now
-    cluster = _cluster(*replies[:CLUSTER_REPLIES], config, now, local_disk)
+    workers, inference, gpus = replies[:CLUSTER_REPLIES]
+    cluster = _cluster(workers, inference, gpus, config, now, local_disk)
     runs = [_run(run_id, replies[CLUSTER_REPLIES + i * RUN_REPLIES :], cluster, config, now)
             for i, run_id in enumerate(run_ids)]  # fmt: skip
     _set_aside_idle_servers(cluster, runs)
@@ -95,7 +96,8 @@ def read_run(
     if replies[0] is None and not run_replies[0]:
         return None
     now = time.time() if now is None else now
-    cluster = _cluster(*replies[1 : 1 + CLUSTER_REPLIES], config, now, local_disk)
+    workers, inference, gpus = replies[1 : 1 + CLUSTER_REPLIES]
+    cluster = _cluster(workers, inference, gpus, config, now, local_disk)
     run = _run(run_id, run_replies, cluster, config, now)
     _set_aside_idle_servers(cluster, [run])
     return RunReport(generated_at=now, run=run, cluster=cluster)
@@ -152,7 +154,8 @@ def _cluster(
     every = [(beat, max(0.0, now - beat.ts), beat.lost(now, config.lost_after_s), name)
              for name, beat in sorted(parse_workers(workers).items())]  # fmt: skip
     rows = [row for row in every if not row[2] or row[1] <= forget_after]
-    servers, gone = [], []
+    servers: list[InferenceStatus] = []
+    gone: list[InferenceStatus] = []
     for health in sorted(parse_inference(inference).values(), key=lambda h: (h.host, h.url)):
         age = max(0.0, now - health.ts)
         users = [b for b, _, lost, _ in rows if not lost and (b.host, b.inference_url) == (health.host, health.url)]

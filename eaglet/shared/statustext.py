@@ -118,7 +118,8 @@ def _verdict(run: RunStatus, now: float) -> str:
         return f"failed: {_cut(run.error or 'no reason recorded')}"
     if run.stage in (Stage.done, Stage.cancelled):
         return str(run.stage)
-    stalled = run.regeneration.stalled_since if run.stage == Stage.regenerating else run.extraction.stalled_since
+    regenerating = run.stage == Stage.regenerating and run.regeneration is not None
+    stalled = run.regeneration.stalled_since if regenerating and run.regeneration else run.extraction.stalled_since
     if run.stage in ACTIVE_STAGES and stalled is not None:
         return f"stalled for {duration(now - stalled)} (nothing finished since {clock(stalled, now)})"
     if any(a.kind == "trainer_lost" for a in run.alerts):

@@ -186,7 +186,7 @@ def decode_states(
         return tensors[name].to(dtype)
 
     if layout.aux == "fp4":
-        out = {"aux_hidden_states": decode_fp4(*(tensors[k] for k in FP4_AUX_TENSORS), dtype)}
+        out = {"aux_hidden_states": decode_fp4(tensors[FP4_AUX_TENSORS[0]], tensors[FP4_AUX_TENSORS[1]], dtype)}
     else:
         out = {"aux_hidden_states": full("aux_hidden_states")}
     if layout.final == "topk":
@@ -219,7 +219,7 @@ def write_sample(
     parts: dict[str, torch.Tensor | FileSlice] = {}
     for name in sorted(encoded, key=lambda k: -encoded[k].nbytes):  # largest first: every part stays aligned
         kept = slices is not None and name in slices and encoded[name] is tensors.get(name)
-        parts[name] = slices[name] if kept else encoded[name]
+        parts[name] = slices[name] if kept and slices is not None else encoded[name]
     tmp = partial_path(path, writer or str(os.getpid()))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # inside the try: a full disk fails here too

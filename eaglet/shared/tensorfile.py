@@ -123,7 +123,8 @@ def write_tensors(fd: int, parts: dict[str, torch.Tensor | FileSlice], metadata:
     """Writes a safetensors file to ``fd`` (at its current position); returns the bytes written.
 
     Parts are laid out in the order given: put the largest first, so each later one stays aligned."""
-    header, offset = {}, 0
+    header: dict[str, object] = {}
+    offset = 0
     for name, part in parts.items():
         dtype, shape = (part.dtype, tuple(part.shape))
         nbytes = math.prod(shape) * dtype.itemsize

@@ -35,7 +35,7 @@ def _cases() -> dict:
 
     import sglang
     from eaglet_sglang import versions
-    from eaglet_sglang.plugin import DumpPlugin, Settings, capture_site, check_prefill_graph
+    from eaglet_sglang.plugin import DumpPlugin, DumpSettings, capture_site, check_prefill_graph
     from sglang.srt.layers.logits_processor import LogitsProcessor
     from torch import nn
 
@@ -87,7 +87,7 @@ def _cases() -> dict:
         for label, asked in ASKED.items():
             model = build(name)
             model.set_eagle3_layers_to_capture(None)  # what SGLang's capture flag does first
-            plugin = DumpPlugin(Settings(dump_dir=Path(os.devnull), aux_layer_ids=asked))
+            plugin = DumpPlugin(DumpSettings(dump_dir=Path(os.devnull), aux_layer_ids=asked))
             try:
                 plugin.enable_capture(model)
             except RuntimeError as e:
@@ -103,10 +103,10 @@ def _cases() -> dict:
 
     # A 4-layer model: SGLang's own default is [2, 2, 1]; the plugin's is [1, 2, 3].
     small = build("LlamaForCausalLM", num_layers=4)
-    DumpPlugin(Settings(dump_dir=Path(os.devnull))).enable_capture(small)
+    DumpPlugin(DumpSettings(dump_dir=Path(os.devnull))).enable_capture(small)
     out["small"] = [int(i) for i in capture_site(small).layers_owner.layers_to_capture]
     try:
-        DumpPlugin(Settings(dump_dir=Path(os.devnull), aux_layer_ids=[2, 6, 12])).enable_capture(
+        DumpPlugin(DumpSettings(dump_dir=Path(os.devnull), aux_layer_ids=[2, 6, 12])).enable_capture(
             build("Qwen3ForCausalLM")
         )
         out["out_of_range"] = None
@@ -119,7 +119,7 @@ def _cases() -> dict:
             pass
 
     try:
-        DumpPlugin(Settings(dump_dir=Path(os.devnull))).enable_capture(Opaque())
+        DumpPlugin(DumpSettings(dump_dir=Path(os.devnull))).enable_capture(Opaque())
         out["opaque"] = None
     except RuntimeError as e:
         out["opaque"] = str(e)

@@ -253,12 +253,12 @@ def _cases(out: Path) -> dict:
     results["fp8"] = {"wide_rid": wide.rid, "fp8_rid": enc.rid, "prompt": p8}
 
     # Capture: default layers, chosen layers (SGLang convention), and after the server flag chose others.
-    from eaglet_sglang.plugin import DumpPlugin, Settings, captured_layers
+    from eaglet_sglang.plugin import DumpPlugin, DumpSettings, captured_layers
 
     default = standin_model()
     plugin.enable_capture(default)
     chosen = standin_model()
-    DumpPlugin(Settings(dump_dir=dumps, aux_layer_ids=[3, 5, 6])).enable_capture(chosen)
+    DumpPlugin(DumpSettings(dump_dir=dumps, aux_layer_ids=[3, 5, 6])).enable_capture(chosen)
     flagged = standin_model(layers_to_capture=[1, 2, 3])
     plugin.enable_capture(flagged)
     results["capture"] = {

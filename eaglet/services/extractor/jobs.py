@@ -10,13 +10,13 @@ import socket
 import time
 
 import httpx
-from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.exceptions import AbandonedJobError
 
 from eaglet.services.extractor.extract import Extractor
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect
 from eaglet.shared.keys import RunKeys
 from eaglet.shared.runstate import RunState
 
@@ -61,7 +61,7 @@ def on_extract_failure(job, connection, exc_type, exc_value, traceback) -> None:
     A job RQ found abandoned (its worker died) is not the sample's fault: it is noted for the reaper,
     which queues it again (eaglet/services/extractor/reaper.py)."""
     run_id, index = job.args
-    redis = _extractor.redis if _extractor else Redis.from_url(Settings().redis_url, decode_responses=True)
+    redis = _extractor.redis if _extractor else connect(Settings().redis_url)
     if exc_type is AbandonedJobError:
         log.warning("run %s sample %s: RQ found job %s abandoned by %s", run_id, index, job.id, job.worker_name)
         RunState(redis, run_id).end_attempt(int(index))
@@ -74,7 +74,7 @@ def on_extract_failure(job, connection, exc_type, exc_value, traceback) -> None:
 def _from_environment() -> Extractor:
     settings = Settings()
     extractor = Extractor(
-        redis=Redis.from_url(settings.redis_url, decode_responses=True),
+        redis=connect(settings.redis_url),
         http=httpx.Client(base_url=settings.inference_url, timeout=settings.request_timeout_s),
         data_dir=settings.data_dir,
         dump_dir=settings.dump_dir,

@@ -30,10 +30,12 @@ from eaglet.services.extractor.extract import Extractor
 from eaglet.services.extractor.reaper import Reaper
 from eaglet.shared import heartbeats, keys
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect, connect_raw
 from eaglet.shared.dumpwriter import read_writer_stats
 from eaglet.shared.heartbeats import WorkerState
 from eaglet.shared.jobqueue import rq_worker_name
 from eaglet.shared.keys import queue_name
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.records import ACTIVE_STAGES
 from eaglet.shared.runstate import RunState
 from eaglet.shared.store import partial_path, sample_path
@@ -207,12 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst", action="store_true", help="exit when no run has work left")
     args = parser.parse_args(argv)
     settings = Settings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     name = args.name or f"{settings.status_host}:{os.getpid()}"
     instance = uuid.uuid4().hex[:12]  # this process; the name may be reused by the next one
     # RQ stores pickled bytes; run state is text. Two clients on the same server.
-    rq_redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True)
-    redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True, decode_responses=True)
+    rq_redis = connect_raw(settings.redis_url)
+    redis = connect(settings.redis_url)
     status = Status()
     settings.dump_dir.mkdir(parents=True, exist_ok=True)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # the heartbeat reports its free space from the start

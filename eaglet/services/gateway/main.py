@@ -12,12 +12,13 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
-from redis import Redis
 
 from eaglet.services.gateway.collector import StatusCollector
 from eaglet.services.gateway.recorder import Recorder
 from eaglet.services.gateway.routers import metrics, page, runs, status
 from eaglet.services.gateway.settings import GatewaySettings
+from eaglet.shared.connections import connect, connect_raw
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.status import disk_usage
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,8 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
-    redis = Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
-    queue_redis = Redis.from_url(settings.redis_url, health_check_interval=30)  # RQ's jobs are pickled bytes
+    redis = connect(settings.redis_url)
+    queue_redis = connect_raw(settings.redis_url)  # RQ's jobs are pickled bytes
 
     config, local_disk = settings.status_config(), partial(disk_usage, settings.data_dir)
     recorder = Recorder(redis, config, max_runs=settings.status_max_runs,
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     settings = GatewaySettings(**{k: v for k, v in vars(args).items() if v is not None})
     log.info("gateway: listening on %s:%d, %d process(es)", settings.host, settings.port, settings.gateway_workers)
     if settings.gateway_workers > 1:  # each process builds its app from the environment, as ``app`` above

@@ -1,7 +1,6 @@
 """Entry point of the reference inference server: ``python -m eaglet.services.inference.main``."""
 
 import argparse
-import logging
 
 import uvicorn
 from pydantic import Field
@@ -12,6 +11,7 @@ from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.inference.server import create_app
 from eaglet.shared.config import Settings
 from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES, DEFAULT_THREADS, DumpWriter
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.target import resolve_model_dir
 
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_dump:
         overrides["dump"] = False
     settings = InferenceSettings(**overrides)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     engine = ReferenceEngine(
         resolve_model_dir(settings.model, settings.model_cache_dir), device=settings.device, dtype=settings.dtype
     )

@@ -31,7 +31,9 @@ from redis.exceptions import RedisError
 
 from eaglet.shared import gpustats, keys
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect
 from eaglet.shared.gpus import visible_gpus
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.records import ACTIVE_STAGES, GpuRole
 from eaglet.shared.runstate import RunState, Stage
 
@@ -138,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     command = command or [sys.executable, "-m", "eaglet.services.inference.main"]
     settings = ReleaseSettings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    setup_logging()
+    redis = connect(settings.redis_url)
     releasing = settings.release_gpus_when_done
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

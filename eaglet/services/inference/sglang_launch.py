@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eaglet.shared.layers import layer_ids_problem
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.target import text_config
 
 log = logging.getLogger(__name__)
@@ -448,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         mem_fraction_static=args.mem_fraction_static,
         extra_args=extra,
     )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     os.makedirs(cfg.dump_dir, exist_ok=True)
     if args.dump_space_check == "on":
         try:

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from eaglet.services.ingest.ingest import IngestResult, ingest_dataset
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect
 from eaglet.shared.fp4 import FP4_BLOCK, Fp4Error
 from eaglet.shared.jobqueue import cancel, enqueue_samples
 from eaglet.shared.layers import default_layer_ids
@@ -156,5 +157,5 @@ def ingest_job(run_id: str) -> dict:
     """RQ job: ``ingest_run`` with the worker's settings and connection. Queued again after its worker died
     (eaglet/services/ingest/resume.py), it takes the ingest up where it last flushed."""
     settings = Settings()
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)  # run state is text; RQ's own client is not
+    redis = connect(settings.redis_url)  # run state is text; RQ's own client is not
     return asdict(ingest_run(redis, settings, run_id))

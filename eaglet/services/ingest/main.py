@@ -4,17 +4,16 @@ runs the gateway creates.
 """
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import get_args
 
-from redis import Redis
-
 from eaglet.services.ingest.jobs import NoIngestToTakeUp, ingest_new_run, ingest_run
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect
 from eaglet.shared.ids import UnsafeName
 from eaglet.shared.layout import AuxStorage, FinalStorage
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.runoptions import DEFAULT_TOPK, Overlong, RunOptions, StoreDtype
 from eaglet.shared.runstate import RunExists
 
@@ -65,9 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     settings = Settings()
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    redis = connect(settings.redis_url)
     try:
         if args.resume:
             result = ingest_run(redis, settings, args.run)

@@ -28,8 +28,10 @@ from rq.queue import Queue
 from eaglet.services.ingest.resume import resume_dead_ingests
 from eaglet.shared import heartbeats
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect, connect_raw
 from eaglet.shared.heartbeats import WorkerRole, WorkerState
 from eaglet.shared.jobqueue import control_queue, rq_worker_name
+from eaglet.shared.logs import setup_logging
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 1.0
@@ -96,12 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst", action="store_true", help="exit when the control queue is empty")
     args = parser.parse_args(argv)
     settings = Settings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     name = args.name or f"{socket.gethostname()}:{os.getpid()}"
     instance = uuid.uuid4().hex[:12]  # this process; the name may be reused by the next one
     # RQ stores pickled bytes; run state is text. Two clients on the same server.
-    rq_redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True)
-    redis = Redis.from_url(settings.redis_url, health_check_interval=30, retry_on_timeout=True, decode_responses=True)
+    rq_redis = connect_raw(settings.redis_url)
+    redis = connect(settings.redis_url)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # the heartbeat reports its free space from the start
     status, stop = Status(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -25,6 +25,7 @@ from eaglet.services.regenerate.conversations import Prompt, parse_prompt, read_
 from eaglet.services.regenerate.results import ResultFile, assemble, batch_path, output_path
 from eaglet.shared.chatlines import BadLine
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect, connect_raw
 from eaglet.shared.jobqueue import enqueue_batches, enqueue_ingest, owner_of
 from eaglet.shared.records import Stage
 from eaglet.shared.regeneration import Batch, Progress, requeue_batch
@@ -42,7 +43,7 @@ class NoRegenerationToPlan(ValueError):
 def plan_job(run_id: str) -> int:
     """RQ job (control queue): ``plan_run`` with the worker's settings."""
     settings = Settings()
-    return plan_run(Redis.from_url(settings.redis_url, decode_responses=True), Redis.from_url(settings.redis_url),
+    return plan_run(connect(settings.redis_url), connect_raw(settings.redis_url),
                     run_id)  # fmt: skip
 
 
@@ -87,7 +88,7 @@ def regenerate_batch(run_id: str, batch: int, give_up: str = "") -> str:
     """RQ job (the run's queue): regenerates the prompts of ``batch`` that have no result yet. With ``give_up``, asks
     nothing and records them as failed with that reason (their batch killed its worker too often)."""
     settings = Settings()
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    redis = connect(settings.redis_url)
     state = RunState(redis, run_id)
     meta = state.meta()
     if meta.stage != Stage.regenerating:
@@ -102,8 +103,8 @@ def regenerate_batch(run_id: str, batch: int, give_up: str = "") -> str:
             runner.count(entry)
         todo = [p for p in runner.read(spec) if p[0] not in written]
         if give_up:
-            for index, line, _ in todo:
-                runner.finish(results, {"index": index, "line": line, "id": "", "error": give_up})
+            for prompt in todo:
+                runner.give_up(results, *prompt, give_up)
         else:
             with ThreadPoolExecutor(options.concurrency, thread_name_prefix=f"regen-{batch}") as pool:
                 list(pool.map(lambda p: runner.regenerate(results, *p), todo))
@@ -113,7 +114,7 @@ def regenerate_batch(run_id: str, batch: int, give_up: str = "") -> str:
     if state.stage() != Stage.regenerating:
         return f"run {run_id} left regeneration: batch {batch} stopped"
     runner.progress.finish_batch(batch)
-    finish_if_complete(redis, Redis.from_url(settings.redis_url), settings.data_dir, state, options)
+    finish_if_complete(redis, connect_raw(settings.redis_url), settings.data_dir, state, options)
     return f"batch {batch}: {len(todo)} prompts regenerated or given up, {len(written)} found done"
 
 
@@ -122,14 +123,14 @@ def on_batch_failure(job, connection, exc_type, exc_value, traceback) -> None:
     its finished prompts kept, until it has failed ``max_attempts`` times; then its unfinished prompts are failed."""
     run_id, batch, give_up = job.args
     settings = Settings()
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    redis = connect(settings.redis_url)
     if give_up:
         RunState(redis, run_id).record_error(-1, "", f"batch {batch}: could not record its prompts as given up: "
                                              f"{exc_type.__name__}: {exc_value}", job.worker_name or "")  # fmt: skip
         return
     why = "its worker died" if exc_type is AbandonedJobError else f"its job crashed: {exc_type.__name__}: {exc_value}"
     RunState(redis, run_id).record_error(-1, "", f"regeneration batch {batch}: {why}", job.worker_name or "")
-    requeue_batch(redis, Redis.from_url(settings.redis_url), run_id, batch, why, settings.max_attempts)
+    requeue_batch(redis, connect_raw(settings.redis_url), run_id, batch, why, settings.max_attempts)
 
 
 def finish_if_complete(redis: Redis, rq_redis: Redis, data_dir: Path, state: RunState, opts: RegenerateOptions) -> bool:
@@ -140,6 +141,11 @@ def finish_if_complete(redis: Redis, rq_redis: Redis, data_dir: Path, state: Run
         return False
     out = output_path(data_dir, state.run_id)
     written, failed = assemble((batch_path(data_dir, state.run_id, b) for b in range(progress.batches())), out)
+    if written == 0:  # nothing to ingest or keep: the run failed, and says why
+        reason = f"regeneration gave up all {failed} prompts; their reasons are in the run's errors"
+        if state.fail(reason) is not None:
+            log.warning("run %s: %s", state.run_id, reason)
+        return False
     if not state.finish_regeneration(str(out), stop=opts.stop_after):
         return False
     log.info("run %s: %d conversations regenerated into %s, %d prompts given up", state.run_id, written, out, failed)
@@ -180,13 +186,21 @@ class BatchRunner:
             return  # cancelled or failed meanwhile: what is left stays undone
         entry = {"index": index, "line": line, "id": ""}
         try:
-            if raw is None:
-                raise BadLine("line over the size limit")
-            prompt = parse_prompt(raw, line)
+            prompt = _parse(raw, line)
             entry["id"] = prompt.prompt_id
             self._check_context(prompt)
             entry.update(self._answer(prompt))
         except (BadLine, EndpointError) as e:
+            entry["error"] = str(e)
+        self.finish(results, entry)
+
+    def give_up(self, results: ResultFile, index: int, line: int, raw: bytes | None, why: str) -> None:
+        """The prompt recorded as failed without asking the endpoint, under its own id; a bad line keeps its own
+        reason, since asking again would not have helped it."""
+        entry = {"index": index, "line": line, "id": "", "error": why}
+        try:
+            entry["id"] = _parse(raw, line).prompt_id
+        except BadLine as e:
             entry["error"] = str(e)
         self.finish(results, entry)
 
@@ -234,6 +248,13 @@ class BatchRunner:
                 answer = f"<think>\n{c.reasoning.strip()}\n</think>\n\n{c.content.lstrip()}"
             kept.append({"role": "assistant", "content": answer})
         return {"messages": kept, "tokens_in": tokens_in, "tokens_out": tokens_out, "retries": retries}
+
+
+def _parse(raw: bytes | None, line: int) -> Prompt:
+    """The line's prompt; BadLine with the reason when it is not one (``raw`` None: the line was over the limit)."""
+    if raw is None:
+        raise BadLine("line over the size limit")
+    return parse_prompt(raw, line)
 
 
 @functools.lru_cache(maxsize=2)

@@ -8,16 +8,15 @@ is written (``--stop-after``).
 """
 
 import argparse
-import logging
 import sys
 import time
 from pathlib import Path
 from typing import get_args
 
-from redis import Redis
-
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect, connect_raw
 from eaglet.shared.ids import UnsafeName
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.records import Stage
 from eaglet.shared.regeneration import Progress
 from eaglet.shared.runoptions import Reasoning, RegenerateOptions, RunOptions
@@ -67,11 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     settings = Settings()
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    redis = connect(settings.redis_url)
     try:
-        job_id = queue_run(redis, Redis.from_url(settings.redis_url), run_id=args.run, dataset=args.input,
+        job_id = queue_run(redis, connect_raw(settings.redis_url), run_id=args.run, dataset=args.input,
                            options=args.options)  # fmt: skip
     except (RunExists, UnsafeName, FileNotFoundError) as e:
         sys.stderr.write(f"eaglet regenerate: {e}\n")

@@ -24,6 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eaglet.services.trainer.checkpoint import load_drafter
 from eaglet.services.trainer.speculative import SpecStats, greedy_generate, speculative_generate
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.records import EvalResult
 from eaglet.shared.runstate import RunState
 from eaglet.shared.store import drafter_dir
@@ -174,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.k < 1 or args.max_new_tokens < 1:
         p.error("--k and --max-new-tokens must be at least 1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     settings = Settings()
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    redis = connect(settings.redis_url)
     state = RunState(redis, args.run)
     model = args.model or state.meta().model_dir or settings.model
     try:

@@ -30,8 +30,10 @@ from redis.exceptions import RedisError
 
 from eaglet.shared import keys
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect
 from eaglet.shared.gpus import parse_train_gpus
 from eaglet.shared.keys import RunKeys
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.records import TRAINER_STAGES
 from eaglet.shared.runstate import RunState, Stage
 
@@ -150,8 +152,8 @@ def touch(path: Path | None) -> None:
 
 def main() -> int:
     settings = FollowSettings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    redis = Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
+    setup_logging()
+    redis = connect(settings.redis_url)
     owner = f"{socket.gethostname()}:{os.getpid()}"
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())

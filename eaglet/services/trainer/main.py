@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch.distributed as dist
-from redis import Redis
 from redis.exceptions import RedisError
 
 from eaglet.services.trainer.config import TrainConfig
@@ -35,7 +34,9 @@ from eaglet.services.trainer.distributed import Dist, init_distributed
 from eaglet.services.trainer.train import train
 from eaglet.shared import gpustats
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect
 from eaglet.shared.gpus import SETTING, GpuHandoffError, check_handoff, cuda_devices, visible_gpus
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.records import GPUS_RELEASED, LOST_AFTER_BEATS, GpuRole, TrainProgress
 from eaglet.shared.runstate import RunState, StageRefused
 from eaglet.shared.target import resolve_model_dir
@@ -173,11 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(TrainConfig, args)  # bad values fail here, before any waiting
     rank0 = int(os.environ.get("RANK", "0")) == 0  # torchrun's rank, read without touching a GPU
-    logging.basicConfig(
-        level=logging.INFO if rank0 else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(logging.INFO if rank0 else logging.WARNING)
     settings = Settings()
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    redis = connect(settings.redis_url)
     state = RunState(redis, args.run)
     stop_beat = threading.Event()
     if rank0:

@@ -30,6 +30,8 @@ from eaglet.services.trainer.config import OovMask, TrainConfig
 from eaglet.services.trainer.objective import TTTObjective, heldout_figures, objective_options
 from eaglet.services.trainer.train import read_done
 from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import sample_header, sample_path, samples_dir, state_widths
@@ -233,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     drafters = parse_drafters(args.drafter, parser)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     settings = Settings()
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    redis = connect(settings.redis_url)
     state = RunState(redis, args.run)
     known = state.exists()
     if not known:

@@ -5,13 +5,13 @@ Installed as a distribution with an entry point in SGLang's group ``sglang.srt.p
 where it does nothing further). No SGLang file is edited.
 
 Environment of the server process: ``EAGLET_DUMP_DIR`` (required), ``EAGLET_DUMP_TIMEOUT_S``,
-``EAGLET_AUX_LAYER_IDS``; see ``plugin.Settings``. Launch flags: ``eaglet/services/inference/sglang_launch.py``.
+``EAGLET_AUX_LAYER_IDS``; see ``plugin.DumpSettings``. Launch flags: ``eaglet/services/inference/sglang_launch.py``.
 """
 
 import logging
 
 from eaglet_sglang import versions
-from eaglet_sglang.plugin import DumpPlugin, Settings
+from eaglet_sglang.plugin import DumpPlugin, DumpSettings
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def register() -> None:
     global PLUGIN
     if PLUGIN is not None:
         return
-    PLUGIN = DumpPlugin(Settings.from_env())
+    PLUGIN = DumpPlugin(DumpSettings.from_env())
     HookRegistry.register(versions.FORWARD, PLUGIN.around_forward, HookType.AROUND)
     HookRegistry.register(versions.INIT_ATTENTION, PLUGIN.around_init_attention_backends, HookType.AROUND)
     HookRegistry.register(versions.LOGITS_FORWARD, PLUGIN.around_logits_forward, HookType.AROUND)

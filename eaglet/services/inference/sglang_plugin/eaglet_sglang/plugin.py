@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
-class Settings:
+class DumpSettings:
     """Read from the server process's environment (``from_env``)."""
 
     dump_dir: Path
@@ -66,7 +66,7 @@ class Settings:
                 raise ValueError(f"EAGLET_AUX_LAYER_IDS={self.aux_layer_ids}: {problem}")
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
+    def from_env(cls, env: dict[str, str] | None = None) -> "DumpSettings":
         env = os.environ if env is None else env
         dump_dir = env.get("EAGLET_DUMP_DIR")
         if not dump_dir:
@@ -93,7 +93,7 @@ class _Snapshot:
 class DumpPlugin:
     """Per-process state of the dump hooks: the collector, the writer, what each worker captures."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: DumpSettings):
         self.settings = settings
         self.collector = Collector(timeout_s=settings.timeout_s)
         self._writer: DumpWriter | None = None  # started on the first dump: the launcher process never needs one
