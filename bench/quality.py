@@ -95,16 +95,19 @@ def derive_run(
 ) -> int:  # fmt: skip
     """A copy of run ``src`` whose samples are stored as ``store_dtype`` in ``layout`` and whose done samples are
     the first ``first``; returns the bytes of its hidden states. A top-k layout's distribution is computed from the
-    stored final states with the target's ``lm_head`` [V, H] by the servers' own encoder."""
+    stored final states with the target's ``lm_head`` [V, H] by the servers' own encoder, on the head's device."""
     shutil.copytree(samples_dir(data_dir, src), samples_dir(data_dir, run))
     samples = SampleSet(samples_dir(data_dir, src))
     nbytes = 0
     for i in range(min(first, len(samples))):
         sid = samples[i].sample_id
         path = sample_path(data_dir, src, sid)
+        if not path.exists():
+            continue  # a sample the extraction failed: the run's done bitmap leaves it out too
         tensors = open_sample(path)
         if layout.final == "topk":
-            tensors.update(zip(TOPK_TENSORS, encode_topk(tensors["hidden_states"], lm_head, layout.topk), strict=True))
+            topk = encode_topk(tensors["hidden_states"].to(lm_head.device), lm_head, layout.topk)
+            tensors.update(zip(TOPK_TENSORS, (t.cpu() for t in topk), strict=True))
         nbytes += write_sample(sample_path(data_dir, run, sid), tensors, read_metadata(path),
                                store_dtype=store_dtype, layout=layout)  # fmt: skip
     src_keys, keys = RunKeys(src), RunKeys(run)

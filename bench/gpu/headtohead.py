@@ -21,6 +21,9 @@ Phases (each skipped when an earlier call finished it; state in $GPUBENCH_ROOT/g
                  concurrencies), then each drafter at H2H_CHAINS ((3, 1, 4)), on the 164 HumanEval prompts and the
                  held-out prompts, greedy: accept length, acceptance per draft position, output tokens/s, outputs
                  equal to the target alone's.
+  h2h-layouts    h2h-extract's samples stored again in each storage layout of H2H_LAYOUTS (the top-k computed on the
+                 GPU from the stored final states by the servers' encoder), one run a layout; the recipes
+                 ``layout-<name>`` of H2H_ABLATIONS train the default recipe on them (h2h-ablate-train/-eval).
   h2h-report     $OUT/gpu-headtohead.md and .json.
 """
 
@@ -659,6 +662,60 @@ def phase_extract_fp8() -> None:
     R["done"] = bool(R.get("complete"))
 
 
+LAYOUTS = os.environ.get("H2H_LAYOUTS", "loss=loss:0:full;fp4=all:0:fp4;top32=topk:32:full;top32-fp4=topk:32:fp4")
+LAYOUT_RECIPE = "layout-"  # a recipe named layout-<name> trains on the run of layout <name> (phase h2h-layouts)
+
+
+def phase_layouts() -> None:
+    """Each layout of H2H_LAYOUTS (``name=final:k:aux`` separated by ``;``) derived from h2h-extract's stored
+    samples, bf16, into a run of its own: the layouts differ in their storage only, on the very same states."""
+    import torch
+    from redis import Redis
+
+    sys.path.insert(0, str(P.REPO))  # the CPU benches' package, for their derive_run
+    from bench.quality import derive_run
+    from eaglet.services.trainer.checkpoint import load_target_tensors
+    from eaglet.shared.layout import Layout
+    from eaglet.shared.samples import SampleSet
+    from eaglet.shared.store import samples_dir
+
+    if done("h2h-layouts"):
+        return
+    P.redis_up()
+    R = P.RESULTS.setdefault("h2h-layouts", {})
+    src = P.RESULTS["h2h-extract"]["run_id"]
+    redis = Redis.from_url(P.REDIS_URL, decode_responses=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lm_head = load_target_tensors(SMOL)["lm_head"].to(device)
+    samples = SampleSet(samples_dir(P.DATA, src))
+    tokens = sum(samples.length(i) for i in range(len(samples)))
+    runs = R.setdefault("runs", {})
+    for item in filter(None, LAYOUTS.split(";")):
+        name, spec = item.split("=")
+        final, k, aux = spec.split(":")
+        if name in runs:
+            continue
+        run, t = f"{src}-{name}", time.time()
+        stored = derive_run(redis, P.DATA, src, run, "bf16", 1 << 62, Layout(final=final, topk=int(k), aux=aux),
+                            lm_head)  # fmt: skip
+        runs[name] = {"run_id": run, "bytes_per_token": round(stored / tokens, 1), "wall_s": round(time.time() - t, 1)}
+        P.log(f"h2h-layouts: {name} -> {run}, {runs[name]['bytes_per_token']} B/token")
+        P.save("h2h-layouts")
+    R["done"] = True
+
+
+def recipe_run(name: str) -> tuple[str | None, str | None]:
+    """(the stored run recipe ``name`` trains on, why none): the fp8 extraction for ``fp8``, a layout's run for
+    ``layout-<name>``, else h2h-extract's."""
+    if name == "fp8":
+        R = P.RESULTS.get("h2h-extract-fp8", {})
+        return (R["run_id"], None) if R.get("done") else (None, "no fp8 extraction (phase h2h-extract-fp8)")
+    if name.startswith(LAYOUT_RECIPE):
+        run = P.RESULTS.get("h2h-layouts", {}).get("runs", {}).get(name.removeprefix(LAYOUT_RECIPE))
+        return (run["run_id"], None) if run else (None, f"no run of layout {name} (phase h2h-layouts)")
+    return P.RESULTS["h2h-extract"].get("run_id"), None
+
+
 def phase_ablate_train() -> None:
     """Every recipe not trained yet, together on the GPU (up to ABLATE_PARALLEL): eaglet's trainer, the default
     recipe with one change, on the same stored run, each into its own folder (the run's drafter untouched). A recipe
@@ -671,10 +728,9 @@ def phase_ablate_train() -> None:
         rec = A.setdefault(name, {"flags": flags or "(default recipe)"})
         if rec.get("train", {}).get("rc") == 0:
             continue
-        fp8 = name == "fp8"
-        run_id = P.RESULTS["h2h-extract-fp8" if fp8 else "h2h-extract"].get("run_id")
-        if fp8 and not P.RESULTS.get("h2h-extract-fp8", {}).get("done"):
-            rec["train"] = {"error": "no fp8 extraction (phase h2h-extract-fp8)"}
+        run_id, missing = recipe_run(name)
+        if missing:
+            rec["train"] = {"error": missing}
             continue
         out = H2H / "recipes" / name
         argv = [sys.executable, "bench/gpu/ablate.py", "--run", run_id, "--out", str(out), "--model", str(SMOL),
@@ -788,6 +844,7 @@ PHASES = {
     "h2h-score": phase_score,
     "h2h-eval": phase_eval,
     "h2h-extract-fp8": phase_extract_fp8,
+    "h2h-layouts": phase_layouts,
     "h2h-ablate-train": phase_ablate_train,
     "h2h-ablate-eval": phase_ablate_eval,
     "h2h-gate": phase_gate,
@@ -814,6 +871,7 @@ ESTIMATE_S = {
     "h2h-score": 60,
     "h2h-eval": 450,  # three server starts of ~55 s, five prompt-set decodes of ~45 s, the repeat
     "h2h-extract-fp8": lambda: 70 + conversations() * 0.01,
+    "h2h-layouts": lambda: 10 + conversations() * 0.004,  # a re-encode of each sample a layout, no server
     "h2h-ablate-train": 90,  # the recipes resume from their checkpoints: any minute of training is kept
     "h2h-ablate-eval": 150,
     "h2h-gate": 1,
