@@ -106,6 +106,9 @@ def load_target_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     for key, name in wanted.items():
         with safe_open(str(names[name]), framework="pt") as st:
             out[key] = st.get_tensor(name)
+    if str(text_config.get("model_type", "")).startswith("gemma"):
+        # Gemma's RMSNorm scales by (1 + w) and its checkpoints store w; the drafter's norm scales by its weight
+        out["norm"] = out["norm"].float() + 1
     return out
 
 
