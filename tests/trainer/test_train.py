@@ -117,7 +117,11 @@ def test_resume_after_kill_continues_the_same_curve(redis, tmp_path, tiny_model_
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     folder = checkpoints_dir(tmp_path, "kill")
     deadline = time.time() + 120
-    while time.time() < deadline and not list_states(folder) and proc.poll() is None:
+    state = RunState(redis, "kill")
+    # killed once a checkpoint is on disk and recorded (the file is written before the run's record names it)
+    while (
+        time.time() < deadline and not (list_states(folder) and state.train().last_checkpoint) and proc.poll() is None
+    ):
         time.sleep(0.02)
     status = StatusConfig(lost_after_s=2.0)
     alive = read_run(redis, "kill", config=status).run
