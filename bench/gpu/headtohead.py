@@ -737,15 +737,14 @@ def phase_ablate_train() -> None:
                 "--epochs", str(EPOCHS), "--checkpoint-every", str(ABLATE_CHECKPOINT_EVERY),
                 *flags.split()]  # fmt: skip
         rec["drafter_dir"] = str(out / "drafter")
-        jobs.append((rec, name, argv))
+        jobs.append((rec, {}, f"h2h-recipe-{name}", argv))  # (recipe, this call's trainer record, process, argv)
     jobs = jobs[:ABLATE_PARALLEL]
     if jobs and time_left() > 60:
-        P.log(f"h2h-ablate-train: {', '.join(n for _, n, _ in jobs)} together, {time_left():.0f}s left")
-        records = [(rec, {}, f"h2h-recipe-{n}", argv) for rec, n, argv in jobs]
+        P.log(f"h2h-ablate-train: {', '.join(n for _, _, n, _ in jobs)} together, {time_left():.0f}s left")
         threads = str(max(1, (os.cpu_count() or 16) // len(jobs)))  # the machine's cores shared, not each one's
-        run_trainers([(R, n, argv) for _, R, n, argv in records], P.PY_EAGLET,
+        run_trainers([(R, n, argv) for _, R, n, argv in jobs], P.PY_EAGLET,
                      {**P.eaglet_env(SMOL, P.SGL_PORT), "OMP_NUM_THREADS": threads}, TRAIN_TIMEOUT, H2H)  # fmt: skip
-        for rec, R, _, _ in records:
+        for rec, R, _, _ in jobs:
             R["trained_beside"] = len(jobs) - 1
             R["wall_s"] = round(R["wall_s"] + rec.get("train", {}).get("wall_s", 0), 1)  # the calls' sum
             rec["train"] = R
