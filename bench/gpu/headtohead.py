@@ -713,7 +713,8 @@ def recipe_run(name: str) -> tuple[str | None, str | None]:
     if name.startswith(LAYOUT_RECIPE):
         run = P.RESULTS.get("h2h-layouts", {}).get("runs", {}).get(name.removeprefix(LAYOUT_RECIPE))
         return (run["run_id"], None) if run else (None, f"no run of layout {name} (phase h2h-layouts)")
-    return P.RESULTS["h2h-extract"].get("run_id"), None
+    R = P.RESULTS.get("h2h-extract", {})
+    return (R["run_id"], None) if R.get("done") else (None, "no extraction (phase h2h-extract)")
 
 
 def phase_ablate_train() -> None:

@@ -59,9 +59,9 @@ def data() -> None:
     R.update(conversations=len(convs), multi_turn=sum(1 for c in convs if len(c["messages"]) > 2), done=True)
 
 
-def reference_server() -> None:
+def reference_server(graphs: bool = True) -> None:
     """eaglet's reference server where the plugin server would be: headtohead's extraction phases start it (and
-    stop it) as they would the plugin server."""
+    stop it) as they would the plugin server (``graphs``: SGLang's CUDA graphs, nothing to the CPU server)."""
     if H.SERVER in P.PROCS:
         return
     P.redis_up()
