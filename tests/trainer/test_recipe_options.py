@@ -98,3 +98,30 @@ def test_muon_trains_the_matrices_and_adamw_the_rest_and_resumes(redis, tmp_path
               cfg=small(max_steps=6, checkpoint_every=2), env=Dist(), out_dir=tmp_path / "muon")  # fmt: skip
     with pytest.raises(ValueError, match="optimizer"):
         TrainConfig(optimizer="sgd")
+
+
+def test_heldout_figures_keep_nothing_for_backward(redis, tmp_path, tiny_model_dir):
+    """The held-out pass at a checkpoint builds no autograd graph: one kept alive by its running sums held every
+    held-out batch's activations at once (seen as an out-of-memory at the checkpoint on the GPU)."""
+    from eaglet.services.trainer import data
+    from eaglet.services.trainer.objective import heldout_figures
+    from eaglet.services.trainer.train import make_objective
+    from eaglet.shared.samples import SampleSet
+    from eaglet.shared.store import samples_dir
+
+    make_run(redis, tmp_path, tiny_model_dir, "hg", n=6)
+    cfg = small()
+    objective = make_objective(tiny_model_dir, torch.arange(512), cfg, Dist(), [1, 2, 3], None)
+    samples = SampleSet(samples_dir(tmp_path, "hg"))
+    items, _ = data.split_items(samples, list(range(len(samples))), 0.0)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        figures = heldout_figures(objective, items, data_dir=tmp_path, run_id="hg", tokens_per_batch=64,
+                                  max_len=cfg.max_len, device=torch.device("cpu"))  # fmt: skip
+    assert figures["samples"] == 6 and figures["heldout_loss"] > 0
+    assert saved == []
+    objective.train()
+    loss = objective(*[torch.randint(0, 500, (1, 8)), torch.ones(1, 8, dtype=torch.bool),
+                       torch.randn(1, 8, objective.drafter.cfg.hidden_size),
+                       torch.randn(1, 8, 3 * objective.drafter.cfg.target_hidden_size)])[0]  # fmt: skip
+    assert loss.requires_grad  # training forwards still build their graph

@@ -161,6 +161,7 @@ def objective_inputs(b: dict[str, torch.Tensor]) -> tuple:
     return tuple(b.get(k) for k in keys)
 
 
+@torch.no_grad()
 def heldout_figures(
     objective: TTTObjective, items: list[data.Item], *, data_dir: Path, run_id: str, tokens_per_batch: int,
     max_len: int, device: torch.device, rank: int = 0, world: int = 1,
@@ -168,7 +169,9 @@ def heldout_figures(
     """The held-out figures of ``objective`` on ``items`` (a run's held-out split), the training's and any saved
     drafter's alike (``score``): the mean over the batches (fixed: seed 0, epoch 0) of the weighted TTT loss and of
     each step's accuracy, with ``samples`` and ``tokens`` (after the ``max_len`` cut) of the split. Across
-    processes each evaluates every world-th batch and every process gets the whole split's figures."""
+    processes each evaluates every world-th batch and every process gets the whole split's figures. Without
+    autograd: a graph kept alive by the running sums would hold every batch's activations until the end (on the
+    GPU, tens of GiB at the checkpoint of a small drafter)."""
     batches = data.make_batches(items, tokens_per_batch, 0, 0)[rank::world]
     was_training = objective.training
     objective.eval()
