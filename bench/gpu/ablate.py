@@ -3,6 +3,8 @@ run's own drafter and records stay as they are. Wall time, tokens/s and torch's 
 
     python bench/gpu/ablate.py --run RUN --out DIR [trainer flags...]      (PROBE_OUT: where the JSON goes)
 
+ABLATE_GPU_SHARE: the fraction of the GPU's memory this process may hold (0: no limit).
+
 The trainer flags are the trainer's own (``eaglet train --help``); the target is the run's model (``--model``).
 """
 
@@ -31,6 +33,11 @@ def run() -> int:
     cfg = config_from_args(TrainConfig, args)
     settings = Settings()
     target = resolve_model_dir(args.model or settings.model, settings.model_cache_dir)
+    share = float(os.environ.get("ABLATE_GPU_SHARE", "0"))
+    if share and torch.cuda.is_available():
+        # beside other recipes on the one GPU: this process's cache is freed before it takes more than its share,
+        # and a recipe that needs more fails alone instead of starving the others
+        torch.cuda.set_per_process_memory_fraction(share)
     t = time.time()
     final = train(redis=None, run_id=args.run, data_dir=settings.data_dir, target_dir=target, cfg=cfg,
                   env=init_distributed(), out_dir=args.out)  # fmt: skip

@@ -539,7 +539,14 @@ def evaluate(
                   "--speculative-num-draft-tokens", str(chain[2])]  # fmt: skip
     name = f"h2h-eval-{key.replace(' ', '').replace(',', '-')}"
     try:
-        startup = P.sglang(name, SMOL, plugin=False, extra=extra, timeout=300, port=port)
+        try:
+            startup = P.sglang(name, SMOL, plugin=False, extra=extra, timeout=300, port=port)
+        except RuntimeError as e:
+            if KV_REFUSED not in str(e) or time_left() < 130:
+                raise
+            P.log(f"{name}: refused for memory while others started; once more")
+            P.stop(name)
+            startup = P.sglang(name, SMOL, plugin=False, extra=extra, timeout=300, port=port)
         res = {"server_startup_s": round(startup, 1)}
         for pset, ids in prompts.items():
             out = decode(ids, port=port)
@@ -643,9 +650,13 @@ ABLATED = "h2h-ablations"  # one record for every recipe, kept apart from the ph
 ABLATE_PARALLEL = int(os.environ.get("H2H_ABLATE_PARALLEL", "8"))
 ABLATE_CHECKPOINT_EVERY = int(os.environ.get("H2H_ABLATE_CHECKPOINT_EVERY", "200"))
 # Evaluation servers at once, each with this --mem-fraction-static: SGLang sizes its pool from the memory free at
-# its start, so each takes at most a tenth of the GPU (the 135M target's KV for 64 requests is under 1 GB)
+# its start, so each takes at most an eighth of the GPU (the 135M target's KV for 64 requests is under 1 GB)
 EVAL_PARALLEL = int(os.environ.get("H2H_EVAL_PARALLEL", "7"))
-EVAL_PARALLEL_MEM = 0.1
+EVAL_PARALLEL_MEM = 0.12
+# SGLang refuses to start when the memory its weights took looks larger than its fraction, and servers starting at
+# the same moment count each other's loading as their own (seen: "minimum viable 0.107" at 0.1): such a start is
+# tried once more, after the others have loaded
+KV_REFUSED = "leave no GPU memory for the KV cache"
 
 
 def phase_extract_fp8() -> None:
@@ -743,8 +754,12 @@ def phase_ablate_train() -> None:
     if jobs and time_left() > 60:
         P.log(f"h2h-ablate-train: {', '.join(n for _, _, n, _ in jobs)} together, {time_left():.0f}s left")
         threads = str(max(1, (os.cpu_count() or 16) // len(jobs)))  # the machine's cores shared, not each one's
-        run_trainers([(R, n, argv) for _, R, n, argv in jobs], P.PY_EAGLET,
-                     {**P.eaglet_env(SMOL, P.SGL_PORT), "OMP_NUM_THREADS": threads}, TRAIN_TIMEOUT, H2H)  # fmt: skip
+        # the GPU's memory shared too (one trainer peaks near 12 GiB reserved), in segments that grow in place so
+        # that varying batch shapes do not fragment each process's cache
+        share = f"{0.95 / len(jobs):.3f}"
+        env = {**P.eaglet_env(SMOL, P.SGL_PORT), "OMP_NUM_THREADS": threads, "ABLATE_GPU_SHARE": share,
+               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # fmt: skip
+        run_trainers([(R, n, argv) for _, R, n, argv in jobs], P.PY_EAGLET, env, TRAIN_TIMEOUT, H2H)
         for rec, R, _, _ in jobs:
             R["trained_beside"] = len(jobs) - 1
             R["wall_s"] = round(R["wall_s"] + rec.get("train", {}).get("wall_s", 0), 1)  # the calls' sum
@@ -760,8 +775,8 @@ def phase_ablate_eval() -> None:
     beside SGLang at the first chain on both prompt sets, EVAL_PARALLEL servers at once on ports of their own
     (accept length does not depend on what shares the GPU: h2h-eval measured it twice, in other batches)."""
     A = P.RESULTS.setdefault(ABLATED, {})
-    ready = {
-        n: r for n, r in A.items() if not evaluated(r) and Path(r.get("drafter_dir") or "-", "config.json").exists()
+    ready = {  # trained to the end: a recipe cut off or failed has a drafter of its last checkpoint, not its own
+        n: r for n, r in A.items() if not evaluated(r) and r.get("train", {}).get("rc") == 0
     }
     if not ready:
         P.RESULTS.setdefault("h2h-ablate-eval", {})["done"] = bool(A) and all(evaluated(r) for r in A.values())
