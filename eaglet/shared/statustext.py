@@ -248,7 +248,10 @@ def _brief(
         parts += [f"{figure(rg.prompts_per_s)} prompts/s, {figure(rg.tokens_out_per_s)} tok/s out",
                   _errors(rg.failed, rg.done + rg.failed), _eta(rg.eta_s, rg.stalled_since)]  # fmt: skip
     elif run.stage in ACTIVE_STAGES:
-        parts[0] += f" {count(ex.done)} / {count(ex.total)} samples — {percent(ex.percent)} done"
+        if ex.total is None:  # the ingest still streams samples in: no share of a whole not counted yet
+            parts[0] += f" {count(ex.done)} samples so far, the total still being ingested"
+        else:
+            parts[0] += f" {count(ex.done)} / {count(ex.total)} samples — {percent(ex.percent)} done"
         parts += [f"{figure(ex.samples_per_s)} samples/s, {figure(ex.tokens_per_s)} tok/s",
                   _errors(ex.errors, ex.done + ex.errors), _disk(st), _eta(ex.eta_s, ex.stalled_since)]  # fmt: skip
     elif run.stage == Stage.evaluating:

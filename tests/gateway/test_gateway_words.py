@@ -95,6 +95,18 @@ def test_the_brief_line_has_every_field(runs, gateway):
     assert by_id["regen-only"]["brief"].startswith("regen-only: 4 prompts regenerated in ")
 
 
+def test_the_brief_line_of_a_run_whose_total_is_not_counted_yet(redis, gateway):
+    counting = RunState(redis, "counting")  # the ingest streams samples to the workers before it has counted them
+    counting.create(dataset="/d/chat.jsonl", model="tiny")
+    counting.start_extraction()
+    for i in range(3):
+        counting.mark_done(i, 300, 300 * 9216)
+    by_id = {r["run_id"]: r for r in gateway.client().get("/status").json()["runs"]}
+    brief = by_id["counting"]["brief"]
+    assert brief.startswith("counting: 3 samples so far, the total still being ingested · "), brief
+    assert "?" not in brief and "– done" not in brief
+
+
 def test_each_stage_in_words_and_only_the_stages_a_run_has(runs, gateway):
     by_id = {r["run_id"]: r for r in gateway.client().get("/status").json()["runs"]}
     finished = by_id["finished"]["lines"]
