@@ -95,7 +95,7 @@ def test_an_out_of_memory_is_a_row_and_the_longer_lengths_are_skipped(tmp_path, 
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError(message)
 
-    monkeypatch.setattr(Drafter, "forward_ttt", out_of_memory)
+    monkeypatch.setattr(Drafter, "unroll", out_of_memory)
     assert run(ts, monkeypatch, "trainspeed", "trainspeed-b") == 1  # trainspeed-b's unknown option fails it alone
     oom, after = rows(ts, "trainspeed")
     assert oom["outcome"] == "oom" and oom["tried_to_allocate_GiB"] == 1.5 and oom["process_in_use_GiB"] == 138.77

@@ -101,7 +101,7 @@ def test_training_unroll_is_what_decoding_does():
     T = 10
     ids = torch.randint(0, 50, (1, T))
     aux = torch.randn(1, T, 96)
-    outs = model.forward_ttt(ids, aux, steps=3)
+    outs = list(model.unroll(ids, aux, steps=3))
     # step 0 over the whole sequence == causal incremental decoding of (features t, token t + 1)
     follow = torch.nn.functional.pad(ids[:, 1:], (0, 1))
     step0 = model.decode(follow, model.fc(aux), 0, KVCache())

@@ -30,6 +30,7 @@ The drafter is a Llama layer whatever the target (``drafter_config``):
 """
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -85,6 +86,12 @@ class DrafterConfig:
         return asdict(self)
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 at least: statistics (norms, softmax, scores) of bf16 values in float32, and of float64 ones
+    (the tests' exact comparisons) in float64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -92,12 +99,33 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics, as the Llama reference: bf16 variance loses the small hidden states. The result in
-        # x's dtype: under autocast every consumer is a matmul that would cast it so anyway, and a float32 result
-        # would be cast (and kept for the backward pass) once per consumer
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf.to(x.dtype)).to(x.dtype)
+        return RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """weight * normalize(x) with float32 statistics, as the Llama reference (bf16 variance loses the small hidden
+    states), its result in x's dtype: under autocast every consumer is a matmul that would cast it so anyway.
+    The backward pass keeps only x (often kept already: the previous step's output) and the inverse RMS per row,
+    and recomputes the normalized rows, where autograd would keep a float32 copy of x and the normalized rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = wide(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (weight * (xf * rstd).to(x.dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = wide(x) * rstd
+        g = wide(grad)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # what the forward multiplied the weight by: the normalized rows in x's dtype
+            grad_weight = (g * xhat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gx = g * weight
+        grad_x = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -223,8 +251,8 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
     groups = (B, ks[0].shape[1], h // ks[0].shape[1], T)
     qg = q.view(*groups, d)
     # float32 sums of the bf16 products: the scores as precise as the fused kernel's, no float32 copy of q kept
-    wide = torch.promote_types(q.dtype, torch.float32)
-    diag = [torch.sum(qg * k[:, :, None], -1, dtype=wide).view(B, h, T) / math.sqrt(d) for k in ks[1:]]
+    stats = torch.promote_types(q.dtype, torch.float32)
+    diag = [torch.sum(qg * k[:, :, None], -1, dtype=stats).view(B, h, T) / math.sqrt(d) for k in ks[1:]]
     total = torch.logsumexp(torch.stack([lse, *diag]), 0)  # [B, h, T]
     merged = torch.exp(lse - total)[..., None] * out
     for s, v in zip(diag, vs[1:], strict=True):
@@ -269,8 +297,7 @@ class CausalAttention:
         B, h, _, d = q.shape
         kv = k.shape[1]
         qg = q[:, :, lo:hi].reshape(B, kv, h // kv, hi - lo, d)
-        scores = qg @ k[:, :, None, :hi].transpose(-1, -2)  # [B, kv, g, rows, hi]
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) / math.sqrt(d)
+        scores = wide(qg @ k[:, :, None, :hi].transpose(-1, -2)) / math.sqrt(d)  # [B, kv, g, rows, hi]
         t, s = torch.arange(lo, hi, device=q.device)[:, None], torch.arange(hi, device=q.device)[None]
         seen = s <= t  # [rows, hi]
         if self.documents is not None:
@@ -378,7 +405,23 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+class SiluMul(torch.autograd.Function):
+    """silu(gate) * up, keeping gate and up for the backward pass and recomputing silu(gate) there: autograd would
+    also keep silu(gate), a fourth tensor of T x intermediate a step."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad_up = grad * F.silu(gate)
+        return torch.ops.aten.silu_backward(grad * up, gate), grad_up
 
 
 class MidLayer(nn.Module):
@@ -392,8 +435,8 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [B, T, 2H]
+    def attn_input(self, normed_embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([normed_embeds, self.hidden_norm(hidden)], -1)  # [B, T, 2H]
 
     def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         r = hidden + attn_out
@@ -429,11 +472,16 @@ class Drafter(nn.Module):
         """The target's concatenated auxiliary states [.., n * H_target] -> the first step's hidden [.., H]."""
         return self.fc(aux if self.input_norm is None else self.input_norm(aux))
 
-    def step(self, embeds_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """One drafter pass. ``attend(q [B, h, T, d], k, v [B, kv, T, d]) -> [B, h, T, d]`` owns the cache:
-        training's steps or decoding's. Returns the pre-norm output [B, T, H] (the next step's ``hidden``)."""
+    def embed(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The tokens' embeddings after the layer's input norm [B, n, H]: what a step reads of its tokens."""
+        return self.midlayer.input_layernorm(F.embedding(token_ids, self.embed_tokens).to(dtype))
+
+    def step(self, normed_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """One drafter pass over ``embed``'s rows. ``attend(q [B, h, T, d], k, v [B, kv, T, d]) -> [B, h, T, d]``
+        owns the cache: training's steps or decoding's. Returns the pre-norm output [B, T, H] (the next step's
+        ``hidden``)."""
         layer = self.midlayer
-        x = layer.attn_input(F.embedding(embeds_ids, self.embed_tokens).to(hidden.dtype), hidden)
+        x = layer.attn_input(normed_embeds, hidden)
         q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
         y = attend(q, k, v)
         return layer.finish(hidden, layer.self_attn.out(y))
@@ -441,11 +489,13 @@ class Drafter(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out))
 
-    def forward_ttt(
+    def unroll(
         self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, attn_impl: str = "math", checkpoint: bool = False,
         position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
-    ) -> list[torch.Tensor]:  # fmt: skip
-        """Training-time test: ``steps`` unrolled passes on the drafter's own outputs.
+    ) -> Iterator[torch.Tensor]:  # fmt: skip
+        """Training-time test: ``steps`` unrolled passes on the drafter's own outputs, each yielded as it is made
+        (a loss taken on it before the next step has its backward pass run just after the next step's, so the
+        gradient of each output exists only while it is needed).
 
         input_ids: [B, T] target ids; aux: [B, T, 3H]. Step i at position t reads token ``input_ids[t + 1 + i]``
         (shifted in here, zero past the end) and predicts token t + 2 + i. Returns each step's pre-norm
@@ -460,22 +510,22 @@ class Drafter(nn.Module):
         attention = CausalAttention(attn_impl, T, input_ids.device, document_ids)
         base = torch.arange(T, device=input_ids.device).expand(B, T) if position_ids is None else position_ids
         hidden = self.fuse(aux)
+        # step i reads the tokens t + 1 + i: one embedding of the tokens 1 .. T - 1 (zeros past the end), each step
+        # a shifted view of it, kept once for every step's backward pass
+        embedded = self.embed(F.pad(input_ids[:, 1:], (0, steps)), hidden.dtype)  # [B, T - 1 + steps, H]
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-        outs = []
         for i in range(steps):
-            ids = F.pad(input_ids[:, 1 + i :], (0, 1 + i))  # [B, T]
-            args = (ids, hidden, base + i, tuple(ks), tuple(vs), attention)
+            args = (embedded[:, i : i + T], hidden, base + i, tuple(ks), tuple(vs), attention)
             if checkpoint:
                 hidden, k, v = torch.utils.checkpoint.checkpoint(self.ttt_step, *args, use_reentrant=False)
             else:
                 hidden, k, v = self.ttt_step(*args)
             ks.append(k)
             vs.append(v)
-            outs.append(hidden)
-        return outs
+            yield hidden
 
-    def ttt_step(self, ids, hidden, positions, ks: tuple, vs: tuple, attention) -> tuple[torch.Tensor, ...]:
+    def ttt_step(self, embeds, hidden, positions, ks: tuple, vs: tuple, attention) -> tuple[torch.Tensor, ...]:
         """One unrolled step over the earlier steps' keys and values: (output, its keys, its values). A function
         of its inputs alone, so a checkpointed step recomputes exactly what it computed."""
         kv = []
@@ -484,7 +534,7 @@ class Drafter(nn.Module):
             kv[:] = [k, v]
             return ttt_attention(q, [*ks, k], [*vs, v], attention)
 
-        out = self.step(ids, hidden, positions, attend)
+        out = self.step(embeds, hidden, positions, attend)
         return out, kv[0], kv[1]
 
     def decode(self, token_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
@@ -499,4 +549,4 @@ class Drafter(nn.Module):
             mask = torch.ones(n, S, dtype=torch.bool, device=q.device).tril(S - n)
             return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
 
-        return self.step(token_ids, hidden, positions, attend)
+        return self.step(self.embed(token_ids, hidden.dtype), hidden, positions, attend)
