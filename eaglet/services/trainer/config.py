@@ -86,7 +86,7 @@ class TrainConfig:
     compute): for samples too long for memory otherwise (Kimi-K2.5's shape: 64K-token rows in about 70 GiB)."""
     memory_gib: float = 0.0
     """The device memory to plan for, in GiB: before its first step the trainer refuses rows (max_len,
-    tokens_per_batch) that the memory rule (eaglet/services/trainer/memory.py) says would not fit, saying what
+    tokens_per_batch) that the memory rule (the trainer's memory.py) says would not fit, saying what
     would. 0: on a GPU what it has free; on the CPU no check."""
     aux_noise: float = 0.0
     """Uniform noise in [-a, a] added to the auxiliary states while training (never to held-out figures): the

@@ -40,10 +40,10 @@ class MemoryTracker(TorchDispatchMode):
     peak_at: int = 0  # the allocation count at the peak
     since: int = 0  # the allocation count at ``reset_peak``
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__init__()
 
-    def hold(self, tensors) -> None:
+    def hold(self, tensors: object) -> None:
         """Counts tensors made outside the tracker (parameters, buffers, the batch) as live from now on."""
         for t in tree_leaves(tensors):
             if isinstance(t, torch.Tensor):
@@ -226,7 +226,7 @@ def check_fits(shape: "DrafterConfig", cfg: "TrainConfig", T: int, budget: float
         advice.append("not even short rows fit: a device with more memory (every process holds the whole drafter)")
     raise MemoryRuleError(
         f"rows of up to {T:,} tokens (max_len {cfg.max_len}, tokens_per_batch {cfg.tokens_per_batch}) need about "
-        f"{need.total_gib:.1f} GiB by the memory rule (eaglet/services/trainer/memory.py), more than the "
+        f"{need.total_gib:.1f} GiB by the memory rule (the trainer's memory.py), more than the "
         f"{budget:.1f} GiB planned for (--memory-gib, else the GPU's free memory): " + "; ".join(advice)
     )
 

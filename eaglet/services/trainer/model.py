@@ -32,11 +32,14 @@ The drafter is a Llama layer whatever the target (``drafter_config``):
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,7 +119,7 @@ class RMSNormFunction(torch.autograd.Function):
         return (weight * (xf * rstd).to(x.dtype)).to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, rstd = ctx.saved_tensors
         xhat = wide(x) * rstd
         g = wide(grad)
@@ -235,7 +238,9 @@ class KVCache:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
 
-def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], causal: "CausalAttention"):
+def ttt_attention(
+    q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], causal: "CausalAttention"
+) -> torch.Tensor:
     """Attention of training-time-test step i = len(ks) - 1.
 
     q: [B, h, T, d]; ks[j], vs[j]: [B, kv, T, d] of step j (grouped-query: h a multiple of kv, never expanded).
@@ -271,7 +276,7 @@ class CausalAttention:
 
     MATH_CELLS = 2**24  # scores per math block (x heads): 64 MiB of float32 at a time
 
-    def __init__(self, impl: str, T: int, device: torch.device, documents: torch.Tensor | None = None):
+    def __init__(self, impl: str, T: int, device: torch.device, documents: torch.Tensor | None = None) -> None:
         self.impl, self.T, self.documents = impl, T, documents
         self.block_mask = causal_block_mask(T, device, documents) if impl == "flex" else None
 
@@ -292,7 +297,7 @@ class CausalAttention:
         ]
         return torch.cat([o for o, _ in parts], 2), torch.cat([s for _, s in parts], 2)
 
-    def rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int):
+    def rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
         """The math path for queries [lo, hi): the keys up to hi - 1 are all a causal query there can see."""
         B, h, _, d = q.shape
         kv = k.shape[1]
@@ -311,7 +316,9 @@ class CausalAttention:
 _flex_masks: dict[tuple, object] = {}
 
 
-def causal_block_mask(T: int, device: torch.device, documents: torch.Tensor | None = None, block: int = 128):
+def causal_block_mask(
+    T: int, device: torch.device, documents: torch.Tensor | None = None, block: int = 128
+) -> "BlockMask":
     """The causal (within-document) mask as a FlexAttention BlockMask, from block-level facts alone: a block of
     keys is fully seen when it lies wholly before the query block and both hold one same document, partly seen
     when it is on the diagonal or its documents overlap the query block's. ``documents`` must ascend along the
@@ -418,7 +425,7 @@ class SiluMul(torch.autograd.Function):
         return F.silu(gate) * up
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate, up = ctx.saved_tensors
         grad_up = grad * F.silu(gate)
         return torch.ops.aten.silu_backward(grad * up, gate), grad_up
@@ -493,13 +500,13 @@ class Drafter(nn.Module):
         self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, attn_impl: str = "math", checkpoint: bool = False,
         position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
     ) -> Iterator[torch.Tensor]:  # fmt: skip
-        """Training-time test: ``steps`` unrolled passes on the drafter's own outputs, each yielded as it is made
-        (a loss taken on it before the next step has its backward pass run just after the next step's, so the
-        gradient of each output exists only while it is needed).
+        """Training-time test: ``steps`` unrolled passes on the drafter's own outputs, each yielded as it is made:
+        a loss the caller takes on it before asking for the next step has its backward pass run right after the
+        next step's, so each output's gradient lives only while it is needed.
 
         input_ids: [B, T] target ids; aux: [B, T, 3H]. Step i at position t reads token ``input_ids[t + 1 + i]``
-        (shifted in here, zero past the end) and predicts token t + 2 + i. Returns each step's pre-norm
-        output [B, T, H]; the caller applies ``logits`` only where the loss needs them. ``checkpoint``: each step's
+        (shifted in here, zero past the end) and predicts token t + 2 + i. Yields each step's pre-norm output
+        [B, T, H]; the caller applies ``logits`` only where the loss needs them. ``checkpoint``: each step's
         activations are recomputed in the backward pass instead of kept (its output, keys and values are kept):
         a third more compute for long samples' memory. A packed row (several documents end to end) gives each
         token's ``position_ids`` in its document [B, T] and ``document_ids`` [B, T] (ascending): attention stays
