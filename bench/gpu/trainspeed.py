@@ -20,9 +20,11 @@ The samples make the trainer do a real run's work: input ids drawn from as many 
 vocabulary holds, and final states whose target top token is the next input id (recorded per row as
 ``target_top_is_next_token``), so the OOV mask keeps every loss position, as on text a target predicts well.
 
-An out-of-memory is a row (what the allocator tried to allocate and held), and the shape's longer lengths are then
-skipped. A row whose estimate would pass the call's GPUBENCH_DEADLINE_S is skipped, with its estimate. Rows of
-earlier calls stay in the phase's record unless measured again (rows of other flags are dropped).
+An out-of-memory is a row (what the allocator tried to allocate and held), and so is the trainer's refusal of a
+length its memory rule says would not fit (the trainer's memory.py, the rule's estimate in every row
+beside the measured peak); the shape's longer lengths are then skipped. A row whose estimate would pass the call's
+GPUBENCH_DEADLINE_S is skipped, with its estimate. Rows of earlier calls stay in the phase's record unless measured
+again (rows of other flags are dropped).
 """
 
 import argparse
@@ -44,12 +46,14 @@ import phases as P
 import torch
 from headtohead import time_left
 from safetensors.torch import save_file
+from trainshapes import KIMI, TEXT
 
 from eaglet.services.trainer import train as trainer
 from eaglet.services.trainer.checkpoint import load_target_tensors
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.distributed import init_distributed
 from eaglet.services.trainer.main import add_config_flags, config_from_args
+from eaglet.services.trainer.memory import MemoryRuleError, estimate, rule_shape
 from eaglet.services.trainer.model import drafter_config
 from eaglet.services.trainer.objective import objective_options
 from eaglet.services.trainer.train import train
@@ -80,6 +84,7 @@ START_S = 10.0
 TARGET_LOAD_BYTES_PER_S = 2e9
 COMPILE_S = 60.0
 CHECKPOINT_BYTES_PER_PARAM = 14
+RECOMPUTE = 4 / 3  # checkpointed TTT steps: each step's forward again in the backward pass
 COMPILED_HEAD_DIMS: set[int] = set()  # FlexAttention compiled in this process, for these head sizes (both phases)
 
 
@@ -94,54 +99,11 @@ class Shape:
         return self.config.get("text_config", self.config)
 
 
-# Kimi-K2.5: a multimodal wrapper around a DeepSeek-V3-shaped language model with multi-head latent attention;
-# its drafter gets eaglet's latent-attention rule (56 heads x 128, 8 KV heads).
-KIMI_TEXT = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "kimi_k2",
-    "hidden_size": 7168,
-    "intermediate_size": 18432,
-    "num_hidden_layers": 61,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 64,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "vocab_size": 163840,
-    "rope_theta": 50000.0,
-    "max_position_embeddings": 262144,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "bos_token_id": 163584,
-    "eos_token_id": 163586,
-    "torch_dtype": "bfloat16",
-}
-# The CPU test's shape: every code path of the big ones in milliseconds.
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=1000,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-)
-KIMI = {
-    "architectures": ["KimiK25ForConditionalGeneration"],
-    "model_type": "kimi_k25",
-    "text_config": KIMI_TEXT,
-    "tie_word_embeddings": False,
-}
 SHAPES = {
     "kimi": Shape(KIMI, 11_000, "language_model."),
-    "l8b": Shape(mkmodel.llama_config(mkmodel.SHAPES["8b"]), 21_000),
-    "smol": Shape(mkmodel.llama_config(mkmodel.SHAPES["smol"]), 50_000),
-    "tiny": Shape(mkmodel.llama_config(TINY), 2_000),
+    "l8b": Shape(TEXT["l8b"], 21_000),
+    "smol": Shape(TEXT["smol"], 50_000),
+    "tiny": Shape(TEXT["tiny"], 2_000),
 }
 
 FLOPS_FORMULA = """\
@@ -269,14 +231,18 @@ def write_samples(folder: Path, text: dict, run_id: str, T: int, n: int, vocab: 
 def step_clock() -> Iterator[list[tuple[float, int]]]:
     """(time, tokens) at the end of each of the trainer's optimizer steps while inside. ``train()`` has no step
     hook and reports tokens/s only to Redis and its log, over windows of ``log_every`` steps that do not start at
-    the warm-up's end: its step function is wrapped instead. A step ends by reading its figures back from the
-    device, so the time after it is the step's real end."""
+    the warm-up's end: its step function is wrapped instead. The trainer's steps read nothing back from the GPU
+    (the host queues the next one while it runs): the clock waits for the GPU only at the timed window's ends, the
+    warm-up's last step and the last one, so the window is the GPU's real time and the steps between keep the
+    trainer's overlap; the marks between are the host's."""
     marks: list[tuple[float, int]] = []
     real = trainer.train_step
 
-    def timed(s: trainer.Session, batch: dict[str, torch.Tensor]) -> None:
+    def timed(s: trainer.Session, batch: trainer.data.Batch) -> None:
         real(s, batch)
-        marks.append((time.perf_counter(), int(batch["tokens"])))
+        if torch.cuda.is_available() and s.step in (WARMUP_STEPS, s.total):
+            torch.cuda.synchronize()
+        marks.append((time.perf_counter(), batch["input_ids"].shape[1]))  # a packed row's length: no GPU read
 
     trainer.train_step = timed
     try:
@@ -339,8 +305,9 @@ def estimate_s(name: str, T: int, cfg: TrainConfig) -> float:
     write = samples_for(text, T) * sample_bytes(text, T) + CHECKPOINT_BYTES_PER_PARAM * f["drafter_matmul_params"]
     write += target_bytes if new_target else 0
     compile_s = COMPILE_S if torch.cuda.is_available() and f["drafter"]["head_dim"] not in COMPILED_HEAD_DIMS else 0
+    rate = shape.tokens_per_s / (RECOMPUTE if cfg.checkpoint_steps else 1)
     return (START_S + target_bytes / TARGET_LOAD_BYTES_PER_S + write / DISK_BYTES_PER_S + compile_s
-            + STEPS * T / shape.tokens_per_s)  # fmt: skip
+            + STEPS * T / rate)  # fmt: skip
 
 
 def measure(name: str, T: int, cfg: TrainConfig, env: trainer.Dist) -> dict:
@@ -354,8 +321,9 @@ def measure(name: str, T: int, cfg: TrainConfig, env: trainer.Dist) -> dict:
     row_cfg = replace(cfg, max_steps=STEPS, tokens_per_batch=T, max_len=T, heldout_fraction=0.0)
     _, oov = objective_options(row_cfg, env.device)
     f = flops(text, row_cfg, T, oov)
+    rule = estimate(rule_shape(text, row_cfg), T, row_cfg)
     row = {"shape": name, "T": T, "samples": n, "steps": STEPS, "warmup_steps": WARMUP_STEPS, "oov_mask": oov,
-           "flops": f}  # fmt: skip
+           "flops": f, "rule_GiB": round(rule.total_gib, 2), "rule_terms_GiB": rule.terms_gib()}  # fmt: skip
     try:
         t = time.time()
         row["target_top_is_next_token"] = write_samples(folder, text, run_id, T, n, f["drafter"]["draft_vocab"])
@@ -369,6 +337,8 @@ def measure(name: str, T: int, cfg: TrainConfig, env: trainer.Dist) -> dict:
                 train(redis=None, run_id=run_id, data_dir=DATA, target_dir=folder, cfg=row_cfg, env=env)
             except torch.cuda.OutOfMemoryError as e:
                 row.update(oom_figures(e), steps_done=len(marks))
+            except MemoryRuleError as e:  # the trainer's own refusal, before its first step
+                row.update(outcome="refused", message=str(e), **memory())
         row["train_wall_s"] = round(time.perf_counter() - t, 1)
         if "outcome" not in row:
             row.update(speed(marks, t, f), **memory())
@@ -415,10 +385,10 @@ def run_phase(phase: str, flags_env: str) -> None:
              device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
              peak_flops=PEAK_FLOPS, done=True)  # fmt: skip
     for name in SHAPE_NAMES:
-        oom_at = None
+        stopped = None  # why the longer lengths are skipped: an out-of-memory, or the trainer's refusal
         for T in LENGTHS:
-            if oom_at is not None:
-                row = {"shape": name, "T": T, "outcome": "skipped", "why": f"out of memory at {oom_at} tokens"}
+            if stopped is not None:
+                row = {"shape": name, "T": T, "outcome": "skipped", "why": stopped}
             elif (est := estimate_s(name, T, cfg)) > (left := time_left()):
                 row = {"shape": name, "T": T, "outcome": "skipped", "why": f"estimated {est:.0f} s, {left:.0f} s left"}
             else:
@@ -426,7 +396,8 @@ def run_phase(phase: str, flags_env: str) -> None:
                 row = measure(name, T, cfg, env)
                 COMPILED_HEAD_DIMS.add(row["flops"]["drafter"]["head_dim"])
                 row["estimated_s"] = round(est)
-                oom_at = T if row["outcome"] == "oom" else None
+                if row["outcome"] in ("oom", "refused"):
+                    stopped = f"{'out of memory' if row['outcome'] == 'oom' else 'refused'} at {T} tokens"
                 P.log(f"{phase}: {name} T={T}: {describe(row)}")
             keep(R["rows"], row)
             P.save(phase)
@@ -450,6 +421,8 @@ def describe(row: dict) -> str:
                 f"allocated ({row['process_in_use_GiB']} GiB in use)")  # fmt: skip
     if row["outcome"] == "skipped":
         return f"skipped: {row['why']}"
+    if row["outcome"] == "refused":
+        return f"refused by the trainer's memory rule ({row['rule_GiB']} GiB): {row['message'].split(': ', 1)[-1]}"
     return f"{row['samples']} samples; MFU {100 * row['mfu_with_target']:.1f} % with the target's projections"
 
 
@@ -468,8 +441,8 @@ def write_table() -> None:
             f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s, the target's no-grad projections not included (`flops_formula` in "
             f"{phase}.json).",
             "",
-            "| shape | T | tokens/s | MFU | peak allocated GiB | reserved | note |",
-            "|---|---|---|---|---|---|---|",
+            "| shape | T | tokens/s | MFU | peak allocated GiB | reserved | rule GiB | note |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in R["rows"]:
             measured = r["outcome"] == "measured"
@@ -479,7 +452,8 @@ def write_table() -> None:
             if phase != "trainspeed" and measured and b and b["outcome"] == "measured":
                 note += f"; x{r['tokens_per_s'] / b['tokens_per_s']:.2f} tokens/s vs trainspeed"
             peaks = " | ".join(str(r.get(k) or "-") for k in ("peak_allocated_GiB", "peak_reserved_GiB"))
-            out.append(f"| {r['shape']} | {r['T']:,} | {speed_cell} | {mfu_cell} | {peaks} | {note} |")
+            rule = r.get("rule_GiB", "-")
+            out.append(f"| {r['shape']} | {r['T']:,} | {speed_cell} | {mfu_cell} | {peaks} | {rule} | {note} |")
         out.append("")
     (P.OUT / "trainspeed.md").write_text("\n".join(out))
 

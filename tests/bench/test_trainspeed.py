@@ -95,7 +95,7 @@ def test_an_out_of_memory_is_a_row_and_the_longer_lengths_are_skipped(tmp_path, 
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError(message)
 
-    monkeypatch.setattr(Drafter, "forward_ttt", out_of_memory)
+    monkeypatch.setattr(Drafter, "unroll", out_of_memory)
     assert run(ts, monkeypatch, "trainspeed", "trainspeed-b") == 1  # trainspeed-b's unknown option fails it alone
     oom, after = rows(ts, "trainspeed")
     assert oom["outcome"] == "oom" and oom["tried_to_allocate_GiB"] == 1.5 and oom["process_in_use_GiB"] == 138.77
@@ -103,6 +103,20 @@ def test_an_out_of_memory_is_a_row_and_the_longer_lengths_are_skipped(tmp_path, 
     assert after == {"shape": "tiny", "T": 128, "outcome": "skipped", "why": "out of memory at 64 tokens"}
     assert "OOM: tried to allocate 1.5 GiB" in (ts.P.OUT / "trainspeed.md").read_text()
     assert "--no-such-option" in json.loads((ts.P.OUT / "trainspeed-b.json").read_text())["error"]
+
+
+def test_a_length_the_memory_rule_refuses_is_a_row_and_the_longer_lengths_are_skipped(tmp_path, monkeypatch):
+    ts = load(tmp_path, monkeypatch)
+    cfg = ts.TrainConfig()
+    shape = ts.rule_shape(ts.SHAPES["tiny"].text, cfg)
+    budget = sum(ts.estimate(shape, T, cfg).total_gib for T in (64, 128)) / 2  # 64 tokens fit, 128 do not
+    ts = load(tmp_path, monkeypatch, TRAINSPEED_FLAGS=f"--memory-gib {budget!r}", TRAINSPEED_LENGTHS="64,128,256")
+    assert run(ts, monkeypatch, "trainspeed") == 0
+    fits, refused, skipped = rows(ts, "trainspeed")
+    assert fits["outcome"] == "measured" and fits["rule_GiB"] <= refused["rule_GiB"]
+    assert refused["outcome"] == "refused" and "rows of up to 128 tokens" in refused["message"]
+    assert skipped == {"shape": "tiny", "T": 256, "outcome": "skipped", "why": "refused at 128 tokens"}
+    assert "refused by the trainer's memory rule" in (ts.P.OUT / "trainspeed.md").read_text()
 
 
 def test_rows_that_would_pass_the_deadline_are_skipped_with_their_estimate(tmp_path, monkeypatch):

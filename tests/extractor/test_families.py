@@ -198,6 +198,6 @@ def test_a_family_target_trains_a_drafter_of_its_shape(redis, redis_server, serv
     ids = tensors["input_ids"].long()
     assert aux.shape == (len(ids), 3 * family.hidden)
     with torch.no_grad():
-        outs = drafter.forward_ttt(ids[None], aux[None], steps=TTT_STEPS)
+        outs = list(drafter.unroll(ids[None], aux[None], steps=TTT_STEPS))
         logits = drafter.logits(outs[-1])
     assert logits.shape == (1, len(ids), 256) and torch.isfinite(logits).all()

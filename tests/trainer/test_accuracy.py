@@ -23,7 +23,7 @@ def test_a_drafter_right_wherever_it_can_be_scores_the_in_vocabulary_share():
     with torch.no_grad():
         drafter.lm_head.weight.copy_(torch.eye(V)[:VD])
     # each step's output is the target's own state for the token it predicts: right wherever the draft vocab allows
-    drafter.forward_ttt = lambda ids, aux, steps, attention, checkpoint=False: [
+    drafter.unroll = lambda ids, aux, steps, attention, **options: [
         F.pad(hidden[:, 1 + i :], (0, 0, 0, 1 + i)) for i in range(steps)
     ]
     objective = TTTObjective(drafter, torch.eye(V), TrainConfig(ttt_steps=3), "math", oov=True).eval()

@@ -32,13 +32,13 @@ def test_topk_loss_is_the_full_kl_when_nothing_is_left_out_and_a_lower_bound_oth
     logq = torch.log_softmax(torch.randn(N, Vd, generator=g), -1)
     tlogp = torch.log_softmax(logits[:, t2d], -1)  # what the trainer forms from the final states
     values, ids = logp_full.topk(Vd, -1)
-    kl, hits, accept, _ = topk_terms(values, index[ids], logq)
+    kl, hits, accept, _ = topk_terms(values, index[ids], logq).sum(-1)  # per position: summed
     assert float(kl) == pytest.approx(full_kl(tlogp, logq), rel=1e-4)
     assert float(hits) == float((logq.argmax(-1) == tlogp.argmax(-1)).sum())
     assert float(accept) == pytest.approx(float(torch.minimum(tlogp.exp(), logq.exp()).sum()), rel=1e-4)
     for k in (1, 4, 8):
         values, ids = logp_full.topk(k, -1)
-        assert float(topk_terms(values, index[ids], logq)[0]) <= full_kl(tlogp, logq) + 1e-5
+        assert float(topk_terms(values, index[ids], logq)[0].sum()) <= full_kl(tlogp, logq) + 1e-5
 
 
 def test_topk_loss_moves_the_drafter_toward_the_target_and_puts_the_tail_in_its_bucket():
@@ -47,7 +47,7 @@ def test_topk_loss_moves_the_drafter_toward_the_target_and_puts_the_tail_in_its_
     logits = torch.zeros(1, 5, requires_grad=True)
     opt = torch.optim.SGD([logits], lr=1.0)
     for _ in range(500):
-        kl = topk_terms(logp, idx, torch.log_softmax(logits, -1))[0]
+        kl = topk_terms(logp, idx, torch.log_softmax(logits, -1))[0].sum()
         opt.zero_grad()
         kl.backward()
         opt.step()

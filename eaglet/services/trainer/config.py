@@ -43,8 +43,8 @@ class TrainConfig:
     max_steps: int = 0
     """Stop after this many optimizer steps (0: ``epochs`` full passes). The schedule spans the total either way."""
     tokens_per_batch: int = 2048
-    """Padded tokens per batch per process; samples are grouped by length under this budget (a longer one trains
-    alone)."""
+    """Tokens per batch per process: samples grouped by length are packed end to end into one row under this
+    budget, each attending only to itself (a longer one trains alone)."""
     max_len: int = 8192
     """Longer samples are cut to this many tokens."""
     lr: float = 1e-4
@@ -77,13 +77,17 @@ class TrainConfig:
     norm_before_fc: bool = False
     """An RMSNorm over the concatenated auxiliary states before fc (written to config.json as ``norm_before_fc``,
     which SGLang and vLLM load)."""
-    loss_chunk: int = 8192
-    """Positions per chunk of the loss. A batch with more computes the target's distribution, the top-token check
-    and the loss chunk by chunk, recomputing each chunk's logits in the backward pass instead of keeping
-    positions x vocabulary tensors (one more LM-head forward); 0: never chunked."""
+    loss_chunk: int = 4096
+    """Loss rows per chunk. A TTT step with more computes its loss chunk by chunk, recomputing each chunk's logits in
+    the backward pass instead of keeping rows x draft vocabulary tensors (one more LM-head forward); the target's
+    distribution is formed in chunks of as many rows; 0: never chunked."""
     checkpoint_steps: bool = False
     """Recompute each unrolled step's activations in the backward pass instead of keeping them (about a third more
-    compute): for samples too long for memory otherwise."""
+    compute): for samples too long for memory otherwise (Kimi-K2.5's shape: 64K-token rows in about 70 GiB)."""
+    memory_gib: float = 0.0
+    """The device memory to plan for, in GiB: before its first step the trainer refuses rows (max_len,
+    tokens_per_batch) that the memory rule (the trainer's memory.py) says would not fit, saying what
+    would. 0: on a GPU what it has free; on the CPU no check."""
     aux_noise: float = 0.0
     """Uniform noise in [-a, a] added to the auxiliary states while training (never to held-out figures): the
     drafter meets the engine's states, computed in other batches, not the stored ones. speculators uses 0.05."""
@@ -111,6 +115,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be 0 (the rule) or more, got {getattr(self, name)}")
         if self.loss_chunk < 0:
             raise ValueError(f"TrainConfig.loss_chunk must be 0 (never chunked) or more, got {self.loss_chunk}")
+        if self.memory_gib < 0:
+            raise ValueError(f"TrainConfig.memory_gib must be 0 (the device's) or more, got {self.memory_gib}")
         if self.aux_noise < 0:
             raise ValueError(f"TrainConfig.aux_noise must be 0 (off) or more, got {self.aux_noise}")
         if self.loader_workers < 0:

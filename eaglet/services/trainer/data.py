@@ -4,11 +4,13 @@ whole dataset.
 Which samples: those ingested (``SampleSet``) whose bit is set in the run's done bitmap (read once).
 Held-out split: a stable hash of the sample id, so it never changes between runs, ranks or resumes.
 Batches: samples grouped by length (sorted within shuffled windows) under a token budget, then shuffled;
-the order is a pure function of (seed, epoch), so a resumed run skips to the same batch.
+the order is a pure function of (seed, epoch), so a resumed run skips to the same batch. A batch is one row: its
+samples packed end to end (no padding), each a document of its own that attention and the loss keep apart.
 """
 
 import hashlib
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +65,7 @@ def load_sample(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def make_batches(items: list[Item], tokens_per_batch: int, seed: int, epoch: int, window: int = 64) -> list[list[Item]]:
-    """Length-grouped batches of at most ``tokens_per_batch`` padded tokens (an over-long sample is a batch alone)."""
+    """Length-grouped batches of at most ``tokens_per_batch`` tokens packed (an over-long sample is a batch alone)."""
     rng = random.Random(seed * 100_003 + epoch)
     order = items[:]
     rng.shuffle(order)
@@ -71,15 +73,24 @@ def make_batches(items: list[Item], tokens_per_batch: int, seed: int, epoch: int
     for w in range(0, len(order), window):
         chunk = sorted(order[w : w + window], key=lambda it: it.length)
         batch: list[Item] = []
+        used = 0
         for it in chunk:
-            if batch and max(it.length, batch[-1].length) * (len(batch) + 1) > tokens_per_batch:
+            if batch and used + it.length > tokens_per_batch:
                 batches.append(batch)
-                batch = []
+                batch, used = [], 0
             batch.append(it)
+            used += it.length
         if batch:
             batches.append(batch)
     rng.shuffle(batches)
     return batches
+
+
+def longest_row(items: list[Item], tokens_per_batch: int, max_len: int) -> int:
+    """The most tokens a batch of ``items`` can pack into its row: the budget (or all the tokens there are), or a
+    sample longer than it alone, cut to ``max_len``."""
+    cut = [min(it.length, max_len) for it in items]
+    return max(min(tokens_per_batch, sum(cut)), max(cut, default=0))
 
 
 def shard(batches: list[list[Item]], rank: int, world: int) -> list[list[Item]]:
@@ -88,39 +99,97 @@ def shard(batches: list[list[Item]], rank: int, world: int) -> list[list[Item]]:
     return batches[rank:n:world]
 
 
-class BatchSet(Dataset):
-    """Batches as dataset items, so a DataLoader's workers read and pad the next ones ahead of the step."""
+Batch = dict[str, torch.Tensor | tuple[int, ...]]
+"""A packed batch: tensors [1, L, ...], and ``loss_row_counts`` (host integers: how the loss rows split by step)."""
 
-    def __init__(self, batches: list[list[Item]], data_dir: Path, run_id: str, dtype: torch.dtype, max_len: int):
-        self.batches, self.data_dir, self.run_id, self.dtype, self.max_len = batches, data_dir, run_id, dtype, max_len
+
+class BatchSet(Dataset):
+    """Batches as dataset items, so a DataLoader's workers read and pack the next ones ahead of the step."""
+
+    def __init__(self, batches: list[list[Item]], data_dir: Path, run_id: str, dtype: torch.dtype, max_len: int,
+                 steps: int):  # fmt: skip
+        self.batches, self.data_dir, self.run_id, self.dtype = batches, data_dir, run_id, dtype
+        self.max_len, self.steps = max_len, steps
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, i: int) -> Batch:
         samples = [
             load_sample(sample_path(self.data_dir, self.run_id, it.sample_id), self.dtype) for it in self.batches[i]
         ]
-        return collate(samples, self.max_len)
+        return collate(samples, self.max_len, self.steps)
 
 
-def collate(samples: list[dict[str, torch.Tensor]], max_len: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch: padding sits after every real token, so the causal mask alone keeps it out. One run's
-    samples share a layout: all hold ``hidden_states``, or all ``topk_ids`` and ``topk_logp``."""
-    T = min(max(len(s["input_ids"]) for s in samples), max_len)
-    out = {}
-    for k in samples[0]:
-        rows = []
-        for s in samples:
-            x = s[k][:T]
-            pad = [0, 0] * (x.dim() - 1) + [0, T - len(x)]
-            rows.append(torch.nn.functional.pad(x, pad))
-        out[k] = torch.stack(rows)
-    out["tokens"] = torch.tensor(sum(min(len(s["input_ids"]), T) for s in samples))
+def collate(samples: list[dict[str, torch.Tensor]], max_len: int, steps: int) -> Batch:
+    """The samples, each cut to ``max_len``, packed end to end into one row [1, L] (L their total length): no
+    padding to compute. Each token's position in its sample (``position_ids``) and its sample's index
+    (``document_ids``) go with it, and the rows of each of the ``steps`` TTT steps' loss (``ttt_rows``), worked
+    out here on the host so the training step never waits on the GPU to find them. One run's samples share a
+    layout: all hold ``hidden_states``, or all ``topk_ids`` and ``topk_logp``."""
+    cut = [{k: v[:max_len] for k, v in s.items()} for s in samples]
+    lengths = torch.tensor([len(s["input_ids"]) for s in cut])
+    out: Batch = {k: torch.cat([s[k] for s in cut])[None] for k in cut[0]}
+    starts = torch.cumsum(lengths, 0) - lengths
+    out["position_ids"] = (torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths))[None]
+    out["document_ids"] = torch.arange(len(cut), dtype=torch.int32).repeat_interleave(lengths)[None]
+    out["tokens"] = lengths.sum()
+    out["loss_rows"], out["loss_row_counts"] = ttt_rows(out["loss_mask"], out["document_ids"], steps)
     return out
 
 
-def loader(batch_set: BatchSet, start: int, loader_workers: int) -> DataLoader:
-    """Batches from position ``start`` on (resume), read ahead by ``loader_workers`` processes (0: in the loop)."""
+def ttt_rows(loss_mask: torch.Tensor, documents: torch.Tensor | None, steps: int) -> tuple[torch.Tensor, tuple]:
+    """The positions of each TTT step's loss: step i at position t predicts token t + 2 + i, so its rows are the
+    t with a loss token at t + 2 + i of the same document. ``loss_mask`` [B, T], ``documents`` [B, T] or None (one
+    a row). Returns (the rows of every step, each step's rising, as flat indexes b * T + t [sum of counts]; each
+    step's count)."""
+    B, T = loss_mask.shape
+    flat = torch.arange(B * T).view(B, T)
+    rows = []
+    for i in range(steps):
+        n = max(T - 2 - i, 0)
+        keep = loss_mask[:, 2 + i :].bool()
+        if documents is not None:
+            keep = keep & (documents[:, :n] == documents[:, 2 + i :])
+        rows.append(flat[:, :n][keep])
+    return torch.cat(rows), tuple(len(r) for r in rows)
+
+
+def loader(batch_set: BatchSet, start: int, loader_workers: int, pin: bool = False) -> DataLoader:
+    """Batches from position ``start`` on (resume), read ahead by ``loader_workers`` processes (0: in the loop);
+    ``pin``: in page-locked memory, so copying them to the GPU does not hold the host up."""
     subset = torch.utils.data.Subset(batch_set, range(start, len(batch_set)))
-    return DataLoader(subset, batch_size=None, shuffle=False, num_workers=loader_workers, persistent_workers=False)
+    return DataLoader(subset, batch_size=None, shuffle=False, num_workers=loader_workers, persistent_workers=False,
+                      pin_memory=pin)  # fmt: skip
+
+
+def on_device(batches: Iterable[Batch], device: torch.device) -> Iterator[Batch]:
+    """The batches moved to ``device``, each one's copy started before the step ahead of it runs: on a GPU on a
+    stream of its own (from pinned memory the copy overlaps that step's compute), the step's stream waiting for
+    the copy only when the batch is used. Integers (``loss_row_counts``) stay on the host."""
+    if device.type != "cuda":
+        yield from ({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches)
+        return
+    copies = torch.cuda.Stream(device)
+    ahead: tuple[Batch, torch.cuda.Event] | None = None
+    for b in batches:
+        with torch.cuda.stream(copies):
+            moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+            copied = torch.cuda.Event()
+            copied.record(copies)
+        if ahead is not None:
+            yield ready(*ahead)
+        ahead = moved, copied
+    if ahead is not None:
+        yield ready(*ahead)
+
+
+def ready(batch: Batch, copied: torch.cuda.Event) -> Batch:
+    """The batch, once the current stream has waited for its copy; its memory marked as used by that stream, so
+    the allocator does not hand it back to the copy stream while the step still reads it."""
+    stream = torch.cuda.current_stream()
+    stream.wait_event(copied)
+    for v in batch.values():
+        if isinstance(v, torch.Tensor):
+            v.record_stream(stream)
+    return batch

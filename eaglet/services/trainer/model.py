@@ -30,12 +30,16 @@ The drafter is a Llama layer whatever the target (``drafter_config``):
 """
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,6 +89,12 @@ class DrafterConfig:
         return asdict(self)
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 at least: statistics (norms, softmax, scores) of bf16 values in float32, and of float64 ones
+    (the tests' exact comparisons) in float64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -92,10 +102,33 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics, as the Llama reference: bf16 variance loses the small hidden states
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """weight * normalize(x) with float32 statistics, as the Llama reference (bf16 variance loses the small hidden
+    states), its result in x's dtype: under autocast every consumer is a matmul that would cast it so anyway.
+    The backward pass keeps only x (often kept already: the previous step's output) and the inverse RMS per row,
+    and recomputes the normalized rows, where autograd would keep a float32 copy of x and the normalized rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = wide(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (weight * (xf * rstd).to(x.dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        xhat = wide(x) * rstd
+        g = wide(grad)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # what the forward multiplied the weight by: the normalized rows in x's dtype
+            grad_weight = (g * xhat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gx = g * weight
+        grad_x = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -205,78 +238,136 @@ class KVCache:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
 
-def ttt_attention_math(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
-    """Attention of training-time-test step k = len(ks) - 1, with its scores materialized.
+def ttt_attention(
+    q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], causal: "CausalAttention"
+) -> torch.Tensor:
+    """Attention of training-time-test step i = len(ks) - 1.
 
-    q: [B, h, T, d]; ks[j], vs[j]: [B, h, T, d] of step j. The query at (k, t) sees step 0's keys at
-    positions <= t (the target's own context) and, of every later step j <= k, only position t: the
-    chain the drafter itself extended from t. Memory O(T^2) per step: for short samples and for tests;
-    ``ttt_attention_flex`` is the long-sample path.
+    q: [B, h, T, d]; ks[j], vs[j]: [B, kv, T, d] of step j (grouped-query: h a multiple of kv, never expanded).
+    The query at (i, t) sees step 0's keys at positions <= t of its own document (the target's own context) and,
+    of every later step j <= i, only position t: the chain the drafter itself extended from t. The causal part
+    is ``causal`` (block-sparse FlexAttention, or the blockwise math path), which also returns its log-sum-exp;
+    the diagonal keys are merged in by their scores, so no tensor is T x T, nor T x steps keys laid end to end.
     """
-    T = q.shape[2]
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s0 = (q @ ks[0].transpose(-1, -2)) * scale  # [B, h, T, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    s0 = s0.masked_fill(~causal, float("-inf"))
-    diag = [(q * k).sum(-1, keepdim=True) * scale for k in ks[1:]]  # each [B, h, T, 1]
-    p = torch.softmax(torch.cat([s0, *diag], -1).float(), -1).to(q.dtype)
-    out = p[..., :T] @ vs[0]
-    for j, v in enumerate(vs[1:], start=1):
-        out = out + p[..., T + j - 1 : T + j] * v
-    return out
+    out, lse = causal(q, ks[0], vs[0])  # [B, h, T, d], [B, h, T] float32
+    if len(ks) == 1:
+        return out
+    B, h, T, d = q.shape
+    groups = (B, ks[0].shape[1], h // ks[0].shape[1], T)
+    qg = q.view(*groups, d)
+    # float32 sums of the bf16 products: the scores as precise as the fused kernel's, no float32 copy of q kept
+    stats = torch.promote_types(q.dtype, torch.float32)
+    diag = [torch.sum(qg * k[:, :, None], -1, dtype=stats).view(B, h, T) / math.sqrt(d) for k in ks[1:]]
+    total = torch.logsumexp(torch.stack([lse, *diag]), 0)  # [B, h, T]
+    merged = torch.exp(lse - total)[..., None] * out
+    for s, v in zip(diag, vs[1:], strict=True):
+        merged = merged + (torch.exp(s - total).view(*groups, 1) * v[:, :, None]).view(B, h, T, d)
+    return merged.to(q.dtype)
+
+
+class CausalAttention:
+    """Causal attention within documents over one set of keys: (q [B, h, T, d], k, v [B, kv, T, d]) -> (out
+    [B, h, T, d], log-sum-exp of the scores [B, h, T] float32). ``documents``: [B, T] ascending document ids of a
+    packed row (None: one document a row), so a query sees only the earlier positions of its own document.
+
+    ``flex``: FlexAttention (compiled on GPU) under a block mask built block by block, never cell by cell.
+    ``math``: scores materialized a block of queries at a time (CPU, tests), each block recomputed in the backward
+    pass when there are several, so memory stays O(rows x T) per block instead of T x T."""
+
+    MATH_CELLS = 2**24  # scores per math block (x heads): 64 MiB of float32 at a time
+
+    def __init__(self, impl: str, T: int, device: torch.device, documents: torch.Tensor | None = None) -> None:
+        self.impl, self.T, self.documents = impl, T, documents
+        self.block_mask = causal_block_mask(T, device, documents) if impl == "flex" else None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.impl == "flex":
+            from torch.nn.attention.flex_attention import AuxRequest
+
+            out, aux = _flex_attention()(q, k, v, block_mask=self.block_mask, enable_gqa=True,
+                                         return_aux=AuxRequest(lse=True))  # fmt: skip
+            return out, aux.lse
+        rows = max(1, self.MATH_CELLS // (self.T * q.shape[1]))
+        spans = [(lo, min(lo + rows, self.T)) for lo in range(0, self.T, rows)]
+        parts = [
+            torch.utils.checkpoint.checkpoint(self.rows, q, k, v, lo, hi, use_reentrant=False)
+            if len(spans) > 1 and torch.is_grad_enabled()
+            else self.rows(q, k, v, lo, hi)
+            for lo, hi in spans
+        ]
+        return torch.cat([o for o, _ in parts], 2), torch.cat([s for _, s in parts], 2)
+
+    def rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
+        """The math path for queries [lo, hi): the keys up to hi - 1 are all a causal query there can see."""
+        B, h, _, d = q.shape
+        kv = k.shape[1]
+        qg = q[:, :, lo:hi].reshape(B, kv, h // kv, hi - lo, d)
+        scores = wide(qg @ k[:, :, None, :hi].transpose(-1, -2)) / math.sqrt(d)  # [B, kv, g, rows, hi]
+        t, s = torch.arange(lo, hi, device=q.device)[:, None], torch.arange(hi, device=q.device)[None]
+        seen = s <= t  # [rows, hi]
+        if self.documents is not None:
+            seen = seen & (self.documents[:, lo:hi, None] == self.documents[:, None, :hi])[:, None, None]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        out = torch.exp(scores - lse[..., None]).to(v.dtype) @ v[:, :, None, :hi]
+        return out.reshape(B, h, hi - lo, d), lse.reshape(B, h, hi - lo)
 
 
 _flex_masks: dict[tuple, object] = {}
 
 
-def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
-    """The same attention through FlexAttention: a block-sparse mask over the steps' keys laid end to end,
-    so memory stays O(T * steps) however long the sample (compiled on GPU)."""
-    T = q.shape[2]
-    steps = len(ks)
-    key = (T, steps, q.device)
-    if key not in _flex_masks:
-        if len(_flex_masks) > 256:
-            _flex_masks.clear()
-        _flex_masks[key] = ttt_block_mask(T, steps, q.device)
-    return _flex_attention()(q, torch.cat(ks, 2), torch.cat(vs, 2), block_mask=_flex_masks[key])
-
-
-def ttt_block_mask(T: int, steps: int, device: torch.device, block: int = 128):
-    """The TTT mask (see ``ttt_attention_math``) as a BlockMask, built block row by block row: torch's
-    ``create_block_mask`` evaluates the mask densely over T x T * steps cells (tens of GiB at 32 K tokens)."""
+def causal_block_mask(
+    T: int, device: torch.device, documents: torch.Tensor | None = None, block: int = 128
+) -> "BlockMask":
+    """The causal (within-document) mask as a FlexAttention BlockMask, from block-level facts alone: a block of
+    keys is fully seen when it lies wholly before the query block and both hold one same document, partly seen
+    when it is on the diagonal or its documents overlap the query block's. ``documents`` must ascend along the
+    row (packing lays documents end to end). torch's ``create_block_mask`` would evaluate all T x T cells; here
+    it is (T / block)^2 comparisons. The plain causal mask of a length is built once per process."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    # T as a tensor, not a Python int: the compiled kernel takes it as an input instead of recompiling per length
-    length = torch.tensor(T, device=device)
+    key = (T, block, device)
+    if documents is None and key in _flex_masks:
+        return _flex_masks[key]
+    n = -(-T // block)
+    r, c = torch.arange(n, device=device)[:, None], torch.arange(n, device=device)[None]
+    ragged = torch.zeros(n, 1, dtype=torch.bool, device=device)
+    ragged[-1] = T % block != 0  # a last block of rows past T: never called full, as torch's own builder does
+    if documents is None:
+        full = ((c < r) & ~ragged)[None]
+        partial = (c <= r) & ~full
+    else:
+        pad = documents[:, -1:].expand(-1, n * block - T)  # the padded tail continues the last document
+        d = torch.cat([documents, pad], 1).view(documents.shape[0], n, block)
+        first, last = d[..., 0], d[..., -1]  # ascending: a block's smallest and largest document
+        overlap = (first[:, :, None] <= last[:, None, :]) & (first[:, None, :] <= last[:, :, None])
+        alone = first == last
+        same = alone[:, :, None] & alone[:, None, :] & (first[:, :, None] == first[:, None, :])
+        full = (c < r) & ~ragged & same
+        partial = (c <= r) & overlap & ~full
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        j, s = kv_idx // length, kv_idx % length
-        return ((j == 0) & (s <= q_idx)) | ((j > 0) & (s == q_idx))
-
-    kv_len = T * steps
-    q_blocks, kv_blocks = -(-T // block), -(-kv_len // block)
-    cols = torch.arange(kv_blocks * block, device=device)
-    j, s = cols // T, cols % T
-    inside = cols < kv_len
-    rows_per_chunk = block * max(1, 2**26 // (kv_blocks * block * block))  # ~64 M cells at a time
-    partial, full = [], []
-    for r0 in range(0, q_blocks * block, rows_per_chunk):
-        r = torch.arange(r0, min(r0 + rows_per_chunk, q_blocks * block), device=device)[:, None]
-        cells = inside & (r < T) & (((j == 0) & (s <= r)) | ((j > 0) & (s == r)))  # [rows, kv_blocks * block]
-        cells = cells.view(-1, block, kv_blocks, block)
-        some, every = cells.any(3).any(1), cells.all(3).all(1)  # [row blocks, kv_blocks]
-        partial.append(some & ~every)
-        full.append(every)
-
-    def blocks(m: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        m = torch.cat(m)
+    def indices(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)  # the blocks that are set first, ascending
-        return m.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+        return m.sum(-1).to(torch.int32)[:, None], order.to(torch.int32)[:, None]
 
-    (num, idx), (full_num, full_idx) = blocks(partial), blocks(full)
-    return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(T, kv_len))  # fmt: skip
+    if documents is None:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+
+    else:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (documents[b, q_idx] == documents[b, kv_idx])
+
+    (num, idx), (full_num, full_idx) = indices(partial), indices(full)
+    mask = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(T, T))  # fmt: skip
+    if documents is None:
+        if len(_flex_masks) > 256:
+            _flex_masks.clear()
+        _flex_masks[key] = mask
+    return mask
 
 
 _compiled_flex = None
@@ -308,9 +399,6 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
-        return t.repeat_interleave(self.n_heads // self.n_kv, dim=1)  # [B, kv, S, d] -> [B, h, S, d]
-
     def out(self, y: torch.Tensor) -> torch.Tensor:
         B, _, T, _ = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
@@ -324,7 +412,23 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+class SiluMul(torch.autograd.Function):
+    """silu(gate) * up, keeping gate and up for the backward pass and recomputing silu(gate) there: autograd would
+    also keep silu(gate), a fourth tensor of T x intermediate a step."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        grad_up = grad * F.silu(gate)
+        return torch.ops.aten.silu_backward(grad * up, gate), grad_up
 
 
 class MidLayer(nn.Module):
@@ -338,8 +442,8 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [B, T, 2H]
+    def attn_input(self, normed_embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([normed_embeds, self.hidden_norm(hidden)], -1)  # [B, T, 2H]
 
     def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         r = hidden + attn_out
@@ -375,58 +479,69 @@ class Drafter(nn.Module):
         """The target's concatenated auxiliary states [.., n * H_target] -> the first step's hidden [.., H]."""
         return self.fc(aux if self.input_norm is None else self.input_norm(aux))
 
-    def step(self, embeds_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """One drafter pass. ``attend(q, k, v) -> [B, h, T, d]`` owns the cache: training's steps or decoding's.
-        Returns the pre-norm output [B, T, H] (the next step's ``hidden``)."""
+    def embed(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The tokens' embeddings after the layer's input norm [B, n, H]: what a step reads of its tokens."""
+        return self.midlayer.input_layernorm(F.embedding(token_ids, self.embed_tokens).to(dtype))
+
+    def step(self, normed_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """One drafter pass over ``embed``'s rows. ``attend(q [B, h, T, d], k, v [B, kv, T, d]) -> [B, h, T, d]``
+        owns the cache: training's steps or decoding's. Returns the pre-norm output [B, T, H] (the next step's
+        ``hidden``)."""
         layer = self.midlayer
-        x = layer.attn_input(F.embedding(embeds_ids, self.embed_tokens).to(hidden.dtype), hidden)
+        x = layer.attn_input(normed_embeds, hidden)
         q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
-        y = attend(q, layer.self_attn.expand_kv(k), layer.self_attn.expand_kv(v))
+        y = attend(q, k, v)
         return layer.finish(hidden, layer.self_attn.out(y))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out))
 
-    def forward_ttt(
-        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, attn_impl: str = "math", checkpoint: bool = False
-    ) -> list[torch.Tensor]:
-        """Training-time test: ``steps`` unrolled passes on the drafter's own outputs.
+    def unroll(
+        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, attn_impl: str = "math", checkpoint: bool = False,
+        position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+    ) -> Iterator[torch.Tensor]:  # fmt: skip
+        """Training-time test: ``steps`` unrolled passes on the drafter's own outputs, each yielded as it is made:
+        a loss the caller takes on it before asking for the next step has its backward pass run right after the
+        next step's, so each output's gradient lives only while it is needed.
 
         input_ids: [B, T] target ids; aux: [B, T, 3H]. Step i at position t reads token ``input_ids[t + 1 + i]``
-        (shifted in here, zero past the end) and predicts token t + 2 + i. Returns each step's pre-norm
-        output [B, T, H]; the caller applies ``logits`` only where the loss needs them. ``checkpoint``: each step's
+        (shifted in here, zero past the end) and predicts token t + 2 + i. Yields each step's pre-norm output
+        [B, T, H]; the caller applies ``logits`` only where the loss needs them. ``checkpoint``: each step's
         activations are recomputed in the backward pass instead of kept (its output, keys and values are kept):
-        a third more compute for long samples' memory.
+        a third more compute for long samples' memory. A packed row (several documents end to end) gives each
+        token's ``position_ids`` in its document [B, T] and ``document_ids`` [B, T] (ascending): attention stays
+        within a document, and a position whose chain runs into the next document reads its tokens but is never
+        one the loss or another document sees.
         """
         B, T = input_ids.shape
-        attention = ttt_attention_flex if attn_impl == "flex" else ttt_attention_math
-        base = torch.arange(T, device=input_ids.device).expand(B, T)
+        attention = CausalAttention(attn_impl, T, input_ids.device, document_ids)
+        base = torch.arange(T, device=input_ids.device).expand(B, T) if position_ids is None else position_ids
         hidden = self.fuse(aux)
+        # step i reads the tokens t + 1 + i: one embedding of the tokens 1 .. T - 1 (zeros past the end), each step
+        # a shifted view of it, kept once for every step's backward pass
+        embedded = self.embed(F.pad(input_ids[:, 1:], (0, steps)), hidden.dtype)  # [B, T - 1 + steps, H]
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-        outs = []
         for i in range(steps):
-            ids = F.pad(input_ids[:, 1 + i :], (0, 1 + i))  # [B, T]
-            args = (ids, hidden, base + i, tuple(ks), tuple(vs), attention)
+            args = (embedded[:, i : i + T], hidden, base + i, tuple(ks), tuple(vs), attention)
             if checkpoint:
                 hidden, k, v = torch.utils.checkpoint.checkpoint(self.ttt_step, *args, use_reentrant=False)
             else:
                 hidden, k, v = self.ttt_step(*args)
             ks.append(k)
             vs.append(v)
-            outs.append(hidden)
-        return outs
+            yield hidden
 
-    def ttt_step(self, ids, hidden, positions, ks: tuple, vs: tuple, attention) -> tuple[torch.Tensor, ...]:
+    def ttt_step(self, embeds, hidden, positions, ks: tuple, vs: tuple, attention) -> tuple[torch.Tensor, ...]:
         """One unrolled step over the earlier steps' keys and values: (output, its keys, its values). A function
         of its inputs alone, so a checkpointed step recomputes exactly what it computed."""
         kv = []
 
         def attend(q, k, v):
             kv[:] = [k, v]
-            return attention(q, [*ks, k], [*vs, v])
+            return ttt_attention(q, [*ks, k], [*vs, v], attention)
 
-        out = self.step(ids, hidden, positions, attend)
+        out = self.step(embeds, hidden, positions, attend)
         return out, kv[0], kv[1]
 
     def decode(self, token_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
@@ -439,6 +554,6 @@ class Drafter(nn.Module):
             kk, vv = cache.append(k, v)
             S = kk.shape[2]
             mask = torch.ones(n, S, dtype=torch.bool, device=q.device).tril(S - n)
-            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
 
-        return self.step(token_ids, hidden, positions, attend)
+        return self.step(self.embed(token_ids, hidden.dtype), hidden, positions, attend)

@@ -9,12 +9,16 @@ from torch import nn
 
 from eaglet.services.trainer import data
 from eaglet.services.trainer.config import TrainConfig
-from eaglet.services.trainer.model import Drafter
+from eaglet.services.trainer.model import Drafter, wide
 from eaglet.services.trainer.topk import draft_index, topk_terms
 
 
 class TTTObjective(nn.Module):
-    """Drafter + loss in one forward, so DDP sees every parameter use inside ``forward``."""
+    """Drafter + loss in one forward, so DDP sees every parameter use inside ``forward``.
+
+    Nothing in the forward reads a figure back to the host: the rows of each step's loss come from the batch
+    (computed by the loader on the host, ``data.ttt_rows``), and every count stays a device tensor, so a step
+    queues its kernels without waiting for the GPU until the caller reads its figures."""
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, cfg: TrainConfig, attention: str, oov: bool):
         super().__init__()
@@ -27,102 +31,111 @@ class TTTObjective(nn.Module):
         self.drafter.set_vocab(draft_ids)
 
     def spans(self, n: int) -> list[tuple[int, int]]:
-        """[lo, hi) chunks of ``n`` positions, ``cfg.loss_chunk`` at most each (one chunk when 0)."""
+        """[lo, hi) chunks of ``n`` rows, ``cfg.loss_chunk`` at most each (one chunk when 0)."""
         size = self.cfg.loss_chunk or n
         return [(lo, min(lo + size, n)) for lo in range(0, n, size)] or [(0, 0)]
 
     @torch.no_grad()
-    def target_view(self, hidden: torch.Tensor | None, topk_ids: torch.Tensor | None = None):
-        """hidden [B, T, H] (target's final normed states) -> (positions whose target top token over the whole
-        vocabulary is in the draft vocabulary [B, T], all when the OOV mask is off; the log of the target's
-        normalizer over the whole vocabulary [B, T], for the LK losses, else None). By chunks of positions: the
-        full-vocabulary logits of a long sample would be T x V. From a stored top-k (``topk_ids`` [B, T, k], no
-        ``hidden``) the top token is its first entry, and the LK losses need no normalizer."""
-        lk = self.cfg.loss != "kl"
+    def target_view(self, rows: torch.Tensor, hidden: torch.Tensor | None, topk: tuple | None) -> tuple:
+        """The target's side of the loss at the flat positions ``rows`` [N] (every position some step predicts
+        from), computed there only, by chunks of rows: the logits of a long sample over the whole vocabulary
+        would be N x V. Returns (usable [N] float: 1 where the target's top token over its whole vocabulary is in
+        the draft vocabulary, all 1 with the OOV mask off; and the target: from ``hidden`` [B, T, H] its logits
+        over the draft vocabulary [N, Vd] in hidden's dtype, their log-normalizer [N], their top draft token [N]
+        and the log of its normalizer over the whole vocabulary [N] for the LK losses (else None); from a stored
+        top-k (``topk``: ids, log-probs [B, T, k]) its log-probs and their draft ids [N, k])."""
         if hidden is None:
-            usable = (
-                self.drafter.t2d[topk_ids[..., 0]] if self.oov else torch.ones_like(topk_ids[..., 0], dtype=torch.bool)
-            )
-            return usable, None
-        if not (self.oov or lk):
-            return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device), None
-        head = self.target_head.T.to(hidden.dtype)
-        tops, lses = [], []
-        for lo, hi in self.spans(hidden.shape[1]):
-            logits = hidden[:, lo:hi] @ head  # [B, hi - lo, V]
-            tops.append(logits.argmax(-1))
-            if lk:
-                lses.append(torch.logsumexp(logits.float(), -1))
-        top = torch.cat(tops, 1)
-        usable = self.drafter.t2d[top] if self.oov else torch.ones_like(top, dtype=torch.bool)
-        return usable, torch.cat(lses, 1) if lk else None
+            ids = topk[0].flatten(0, 1)[rows]
+            usable = self.drafter.t2d[ids[:, 0]] if self.oov else torch.ones_like(rows, dtype=torch.bool)
+            return usable.float(), (topk[1].flatten(0, 1)[rows], draft_index(self.drafter.t2d)[ids])
+        lk = self.cfg.loss != "kl"
+        states = hidden.flatten(0, 1)
+        head_d = self.target_head[self.draft_ids].T.to(hidden.dtype)  # [H, Vd]
+        head = self.target_head.T.to(hidden.dtype) if self.oov or lk else None  # [H, V]
+        logits, lse_d, top_d, usable, lse = [], [], [], [], []
+        for lo, hi in self.spans(len(rows)):
+            h = states[rows[lo:hi]]  # [n, H]
+            logits.append(h @ head_d)  # [n, Vd]
+            lse_d.append(torch.logsumexp(wide(logits[-1]), -1))
+            top_d.append(logits[-1].argmax(-1))
+            if head is not None:
+                full = h @ head  # [n, V]
+                usable.append(self.drafter.t2d[full.argmax(-1)] if self.oov else torch.ones_like(top_d[-1]).bool())
+                if lk:
+                    lse.append(torch.logsumexp(wide(full), -1))
+        if not usable:
+            usable = [torch.ones_like(rows, dtype=torch.bool)]
+        target = (torch.cat(logits), torch.cat(lse_d), torch.cat(top_d), torch.cat(lse) if lk else None)
+        return torch.cat(usable).float(), target
 
-    def chunk_terms(self, lo, hi, outs: tuple, masks: tuple, *target) -> torch.Tensor:
-        """Per step, over the target positions [lo, hi): [KL summed, right top tokens, expected acceptance summed,
-        its log summed] (the last two 0 for the KL loss). ``target``: (head [H, Vd], hidden [B, T, H], lse or None),
-        whose log-probs over the draft vocabulary are formed here once for every step that predicts from them
-        (step i at drafter position t predicts from target position t + 1 + i); or a stored top-k (log-probs
-        [B, T, k], draft ids [B, T, k]: eaglet/services/trainer/topk.py)."""
-        topk = len(target) == 2
-        if not topk:
-            head, hidden, lse = target
-            with torch.no_grad():
-                logits = (hidden[:, lo:hi] @ head).float()  # [B, hi - lo, Vd]
-                tlogp = torch.log_softmax(logits, -1)
-                full = logits - lse[:, lo:hi, None] if lse is not None else None  # log p over the whole vocabulary
-        sums = []
-        for i, (out, m) in enumerate(zip(outs, masks, strict=True)):
-            t0, t1 = max(lo - 1 - i, 0), min(hi - 1 - i, m.shape[1])
-            mm = m[:, t0 : max(t0, t1)]
-            rows = slice(t0 + 1 + i, t0 + 1 + i + mm.shape[1])  # of the target positions
-            logq = torch.log_softmax(self.drafter.logits(out[:, t0 : t0 + mm.shape[1]][mm]).float(), -1)
-            if topk:
-                sums.append(topk_terms(target[0][:, rows][mm], target[1][:, rows][mm], logq))
-                continue
-            lp = tlogp[:, rows.start - lo : rows.stop - lo][mm]  # [N, Vd]
-            kl = (lp.exp() * (lp - logq)).sum()
-            hits = (logq.argmax(-1) == lp.argmax(-1)).sum().float().detach()
-            if full is None:
-                sums.append(torch.stack([kl, hits, torch.zeros_like(kl), torch.zeros_like(kl)]))
-                continue
-            accept = torch.minimum(full[:, rows.start - lo : rows.stop - lo][mm].exp(), logq.exp()).sum(-1)  # [N]
-            log_accept = torch.where(accept > 0, accept.clamp_min(1e-30).log(), torch.zeros_like(accept))
-            sums.append(torch.stack([kl, hits, accept.sum(), log_accept.sum()]))
-        return torch.stack(sums, 1)  # [4, steps]
+    def step_terms(self, out: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+                   target: tuple) -> torch.Tensor:  # fmt: skip
+        """[KL summed, right top tokens, expected acceptance summed, its log summed] (the last two 0 for the KL
+        loss) of one step at the flat drafter positions ``rows`` [n], predicting from the target rows ``targets``
+        [n] (indexes into ``target_view``'s rows), each weighted by ``weight`` [n] (0 where the OOV mask drops
+        it). A function of its inputs alone: a chunk of rows recomputes exactly this in the backward pass."""
+        logq = torch.log_softmax(wide(self.drafter.logits(out.flatten(0, 1)[rows])), -1)  # [n, Vd]
+        if len(target) == 2:  # the stored top-k
+            terms = topk_terms(target[0][targets], target[1][targets], logq)
+        else:
+            logits, lse_d, top_d, lse = target
+            t = wide(logits[targets])
+            lp = t - lse_d[targets, None]  # the target's log-probs over the draft vocabulary
+            kl = (lp.exp() * (lp - logq)).sum(-1)
+            hits = (logq.argmax(-1) == top_d[targets]).float()
+            if lse is None:
+                zero = torch.zeros_like(kl)
+                terms = torch.stack([kl, hits, zero, zero])
+            else:
+                full = t - lse[targets, None]  # log p over the whole vocabulary, on the draft vocabulary's tokens
+                accept = torch.minimum(full.exp(), logq.exp()).sum(-1)
+                log_accept = torch.where(accept > 0, accept.clamp_min(1e-30).log(), torch.zeros_like(accept))
+                terms = torch.stack([kl, hits, accept, log_accept])
+        return (terms * weight).sum(-1)
 
-    def forward(self, input_ids, loss_mask, hidden_states, aux_hidden_states, topk_ids=None, topk_logp=None):
+    def forward(self, input_ids, loss_mask, hidden_states, aux_hidden_states, topk_ids=None, topk_logp=None,
+                position_ids=None, document_ids=None, loss_rows=None, loss_row_counts=None):  # fmt: skip
         """(weighted loss, per-step losses [ttt_steps], per-step accuracies [ttt_steps]) as this process's share of
         the global batch while training across processes: summed over the processes they are what one process
         would compute on the whole batch. Otherwise (one process, evaluation) the figures of this batch alone.
         The target's distribution comes from ``hidden_states`` [B, T, H], or, for a run that stored its top-k
-        instead (``hidden_states`` None), from ``topk_ids`` and ``topk_logp`` [B, T, k]."""
-        T = input_ids.shape[1]
-        usable, lse = self.target_view(hidden_states, topk_ids)
+        instead (``hidden_states`` None), from ``topk_ids`` and ``topk_logp`` [B, T, k]. A packed batch
+        (``data.collate``) gives its ``position_ids``, ``document_ids`` and the rows of each step's loss
+        (``loss_rows``, ``loss_row_counts``); without them they are worked out here from ``loss_mask``."""
+        steps = self.cfg.ttt_steps
+        if loss_rows is None:
+            loss_rows, loss_row_counts = data.ttt_rows(loss_mask.cpu(), None if document_ids is None else
+                                                       document_ids.cpu(), steps)  # fmt: skip
+            loss_rows = loss_rows.to(input_ids.device)
+        rows = loss_rows.split(list(loss_row_counts))  # step i: flat positions t whose token t + 2 + i is a loss token
+        # every target position a step predicts from is one step 0 does (t + 1 + i is step 0's row t + i + 1)
+        first = rows[0] + 1
+        targets = [torch.searchsorted(first, r + 1 + i) for i, r in enumerate(rows)]
+        usable, target = self.target_view(first, hidden_states, None if hidden_states is not None else
+                                          (topk_ids, topk_logp))  # fmt: skip
         if self.training and self.cfg.aux_noise > 0:
             aux_hidden_states = aux_hidden_states + torch.empty_like(aux_hidden_states).uniform_(
                 -self.cfg.aux_noise, self.cfg.aux_noise
             )
-        outs = self.drafter.forward_ttt(input_ids, aux_hidden_states, self.cfg.ttt_steps, self.attention,
-                                        checkpoint=self.cfg.checkpoint_steps and self.training)  # fmt: skip
-        # step i at position t predicts token t + 2 + i from the target's logits at t + 1 + i; a step past the
-        # batch's length has no position here (but may elsewhere: every process counts every step)
-        masks = tuple(loss_mask[:, 2 + i :] & usable[:, 1 + i : T - 1] for i in range(len(outs)))  # [B, T-2-i]
+        outs = self.drafter.unroll(input_ids, aux_hidden_states, steps, self.attention,
+                                   checkpoint=self.cfg.checkpoint_steps and self.training,
+                                   position_ids=position_ids, document_ids=document_ids)  # fmt: skip
+        weights = [usable[t] for t in targets]
         # accuracy is over every loss position, the unusable ones counting as misses: comparable across vocabularies
-        positions = [loss_mask[:, 2 + i :].sum() for i in range(len(outs))]
-        counts, positions = self.global_counts(torch.stack([m.sum() for m in masks] + positions)).split(len(outs))
-        if hidden_states is None:
-            target = (topk_logp, draft_index(self.drafter.t2d)[topk_ids])
-        else:
-            target = (self.target_head[self.draft_ids].T.to(hidden_states.dtype), hidden_states, lse)  # head [H, Vd]
-        spans = self.spans(T)
-        sums = torch.zeros(4, len(outs), device=input_ids.device)
-        for lo, hi in spans:
-            args = (lo, hi, tuple(outs), masks, *target)
-            if len(spans) > 1 and torch.is_grad_enabled():  # keep a chunk's inputs only; its logits are recomputed
-                sums = sums + torch.utils.checkpoint.checkpoint(self.chunk_terms, *args, use_reentrant=False)
-            else:
-                sums = sums + self.chunk_terms(*args)
-        kl, hits, accept, log_accept = sums / torch.stack([counts, positions, counts, counts])
+        positions = torch.tensor(loss_row_counts, dtype=torch.float32).to(input_ids.device, non_blocking=True)
+        counts, positions = self.global_counts(torch.cat([torch.stack([w.sum() for w in weights]), positions]))
+        sums = []
+        for out, r, t, w in zip(outs, rows, targets, weights, strict=True):
+            spans = self.spans(len(r))
+            total = torch.zeros(4, device=input_ids.device)
+            for lo, hi in spans:
+                args = (out, r[lo:hi], t[lo:hi], w[lo:hi], target)
+                if len(spans) > 1 and torch.is_grad_enabled():  # keep a chunk's inputs only; its logits recomputed
+                    total = total + torch.utils.checkpoint.checkpoint(self.step_terms, *args, use_reentrant=False)
+                else:
+                    total = total + self.step_terms(*args)
+            sums.append(total)
+        kl, hits, accept, log_accept = torch.stack(sums, 1) / torch.stack([counts, positions, counts, counts])
         if self.cfg.loss == "lk-alpha":
             losses = -log_accept
         elif self.cfg.loss == "lk-lambda":
@@ -130,16 +143,27 @@ class TTTObjective(nn.Module):
             losses = w * kl + (1 - w) * (1 - accept)
         else:
             losses = kl
-        weights = self.cfg.step_weight ** torch.arange(len(outs), device=input_ids.device, dtype=losses.dtype)
-        return (weights * losses).sum(), losses.detach(), hits
+        step_weights = self.cfg.step_weight ** torch.arange(steps, device=input_ids.device, dtype=losses.dtype)
+        return (step_weights * losses).sum(), losses.detach(), hits.detach()
 
-    def global_counts(self, local: torch.Tensor) -> torch.Tensor:
-        """Position counts (per step): over every process's batch while training across processes, so the loss is
-        the mean over the global batch's positions whatever their split, as on one process."""
+    def global_counts(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(usable positions, loss positions) per step: over every process's batch while training across
+        processes, so the loss is the mean over the global batch's positions whatever their split, as on one
+        process."""
         counts = local.float()
         if self.training and dist.is_initialized():
             dist.all_reduce(counts)
-        return counts.clamp(min=1)
+        return counts.clamp(min=1).split(len(counts) // 2)
+
+
+def place(objective: TTTObjective, device: torch.device) -> TTTObjective:
+    """The objective on ``device``, the frozen target tensors (embedding, LM head) in the states' dtype first:
+    every use casts them to it anyway, and on a GPU float32 copies would hold twice the memory (4.4 GiB each at
+    Kimi-K2.5's vocabulary)."""
+    dtype = states_dtype(device)
+    objective.target_head = objective.target_head.to(dtype)
+    objective.drafter.embed_tokens = objective.drafter.embed_tokens.to(dtype)
+    return objective.to(device)
 
 
 def objective_options(cfg: TrainConfig, device: torch.device) -> tuple[str, bool]:
@@ -154,10 +178,11 @@ def states_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-@torch.no_grad()
-def objective_inputs(b: dict[str, torch.Tensor]) -> tuple:
-    """A batch as the objective's arguments: the final states, or the stored top-k where a run kept that instead."""
-    keys = ("input_ids", "loss_mask", "hidden_states", "aux_hidden_states", "topk_ids", "topk_logp")
+def objective_inputs(b: data.Batch) -> tuple:
+    """A batch as the objective's arguments: the final states, or the stored top-k where a run kept that instead,
+    and the packing's positions, documents and loss rows."""
+    keys = ("input_ids", "loss_mask", "hidden_states", "aux_hidden_states", "topk_ids", "topk_logp", "position_ids",
+            "document_ids", "loss_rows", "loss_row_counts")  # fmt: skip
     return tuple(b.get(k) for k in keys)
 
 
@@ -176,8 +201,8 @@ def heldout_figures(
     was_training = objective.training
     objective.eval()
     sums = torch.zeros(objective.cfg.ttt_steps + 2, device=device)  # loss, accuracy per step, batches
-    for batch in data.BatchSet(batches, data_dir, run_id, states_dtype(device), max_len):
-        b = {k: v.to(device) for k, v in batch.items()}
+    batch_set = data.BatchSet(batches, data_dir, run_id, states_dtype(device), max_len, objective.cfg.ttt_steps)
+    for b in data.on_device(batch_set, device):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, _, acc = objective(*objective_inputs(b))
         sums += torch.cat([loss.float()[None], acc.float(), torch.ones(1, device=device)])

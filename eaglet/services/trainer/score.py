@@ -27,7 +27,7 @@ from redis import Redis
 from eaglet.services.trainer import checkpoint as ckpt
 from eaglet.services.trainer import data
 from eaglet.services.trainer.config import OovMask, TrainConfig
-from eaglet.services.trainer.objective import TTTObjective, heldout_figures, objective_options
+from eaglet.services.trainer.objective import TTTObjective, heldout_figures, objective_options, place
 from eaglet.services.trainer.train import read_done
 from eaglet.shared.config import Settings
 from eaglet.shared.connections import connect
@@ -138,7 +138,7 @@ def load_objective(target_dir: Path, drafter_dir: Path, cfg: TrainConfig, device
         raise ScoreError(f"{drafter_dir}: the drafter does not fit the target: its {'; its '.join(problems)}")
     draft_ids = torch.arange(dcfg.draft_vocab_size) + drafter.d2t
     attention, oov = objective_options(cfg, device)
-    objective = TTTObjective(drafter, head, cfg, attention, oov).to(device)
+    objective = place(TTTObjective(drafter, head, cfg, attention, oov), device)
     objective.set_vocab(draft_ids.to(device))
     return objective
 

@@ -33,8 +33,8 @@ def draft_index(t2d: torch.Tensor) -> torch.Tensor:
 
 def topk_terms(logp: torch.Tensor, idx: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """logp [N, k] (target log-probs over its whole vocabulary, most likely first), idx [N, k] (their draft ids,
-    -1 outside the draft vocabulary), logq [N, Vd] (the drafter's log-probs) -> [KL summed, right top tokens,
-    expected acceptance summed, its log summed] over the N positions, with the tail as one bucket."""
+    -1 outside the draft vocabulary), logq [N, Vd] (the drafter's log-probs) -> [KL, right top token, expected
+    acceptance, its log] of each of the N positions [4, N], with the tail as one bucket."""
     inside = idx >= 0
     p_all = logp.float().exp()  # [N, k]
     p = p_all * inside
@@ -46,11 +46,11 @@ def topk_terms(logp: torch.Tensor, idx: torch.Tensor, logq: torch.Tensor) -> tor
     log_qk = logq.gather(-1, idx.clamp_min(0))
     kl_k = torch.where(inside & (pn > 0), pn * (pn.clamp_min(_TINY).log() - log_qk), 0.0).sum(-1)
     kl_tail = torch.where(tn > 0, tn * (tn.clamp_min(_TINY).log() - q_tail.clamp_min(_TINY).log()), 0.0)
-    kl = (kl_k + kl_tail).sum()
+    kl = kl_k + kl_tail
     # the stored entries fall in probability: the first one inside the draft vocabulary is the target's top there
     first = inside.float().argmax(-1, keepdim=True)
     target_top = idx.gather(-1, first).squeeze(-1)
-    hits = ((logq.argmax(-1) == target_top) & inside.any(-1)).sum().float().detach()
+    hits = ((logq.argmax(-1) == target_top) & inside.any(-1)).float()
     accept = torch.minimum(p, q).sum(-1) + torch.minimum(p_tail, q_tail)  # [N]
     log_accept = torch.where(accept > 0, accept.clamp_min(_TINY).log(), torch.zeros_like(accept))
-    return torch.stack([kl, hits, accept.sum(), log_accept.sum()])
+    return torch.stack([kl, hits, accept, log_accept])

@@ -35,7 +35,7 @@ from redis.client import NEVER_DECODE
 from torch import nn
 
 from eaglet.services.trainer import checkpoint as ckpt
-from eaglet.services.trainer import data
+from eaglet.services.trainer import data, memory
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.curves import curves_dir
 from eaglet.services.trainer.distributed import Dist, distribute
@@ -45,6 +45,7 @@ from eaglet.services.trainer.objective import (
     heldout_figures,
     objective_inputs,
     objective_options,
+    place,
     states_dtype,
 )
 from eaglet.services.trainer.optimizer import build_optimizer
@@ -138,6 +139,9 @@ class Session:
     epoch: int = 0
     batch: int = 0  # batches of the epoch done: where a resumed epoch starts
     last: dict = field(default_factory=dict)  # loss and per-step accuracy of the newest step
+    # the figures of the steps not yet read back from the device: (step, lr, [loss, step losses, accuracies, tokens],
+    # gradient norm); read in one go at the next report or checkpoint, so no step waits for the GPU to finish
+    pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     window_tokens: int = 0  # tokens (all ranks) since the last report
     window_start: float = field(default_factory=time.time)
 
@@ -189,6 +193,7 @@ def start(
     draft_ids = saved["draft_ids"] if saved is not None else draft_vocab(samples, train_items, target_dir, cfg, env)
     shape = DrafterConfig(**saved["drafter_config"]) if saved is not None else None
     objective = make_objective(target_dir, draft_ids, cfg, env, layers, shape)
+    check_memory(objective, cfg, env, data.longest_row(train_items, cfg.tokens_per_batch, cfg.max_len))
     per_epoch = len(epoch_batches(train_items, cfg, env, 0))
     if per_epoch == 0:
         raise RuntimeError(f"run {run_id}: {len(train_items)} samples make no batch for {env.world} processes")
@@ -236,9 +241,19 @@ def make_objective(
     attention, oov = objective_options(cfg, env.device)
     torch.manual_seed(cfg.seed)  # the fresh drafter's weights are the same in every process and rerun
     drafter, target_head = build_drafter(target_dir, draft_ids, cfg, layers, shape)
-    objective = TTTObjective(drafter, target_head, cfg, attention, oov).to(env.device)
+    objective = place(TTTObjective(drafter, target_head, cfg, attention, oov), env.device)
     objective.set_vocab(draft_ids.to(env.device))
     return objective
+
+
+def check_memory(objective: TTTObjective, cfg: TrainConfig, env: Dist, longest: int) -> None:
+    """Before the first step: MemoryRuleError (saying what would fit) when the memory rule says rows of the run's
+    longest batch would not fit the device (``memory.budget_gib``); no check on the CPU without a given budget."""
+    budget = memory.budget_gib(cfg, env.device)
+    if budget is not None:
+        need = memory.check_fits(objective.drafter.cfg, cfg, longest, budget, env.world)
+        log.info("memory rule: rows of up to %d tokens need about %.1f GiB of the %.1f GiB planned for",
+                 longest, need.total_gib, budget)  # fmt: skip
 
 
 def epoch_batches(items: list[data.Item], cfg: TrainConfig, env: Dist, epoch: int) -> list[list[data.Item]]:
@@ -277,8 +292,9 @@ def announce(s: Session, per_epoch: int) -> None:
 def train_epoch(s: Session) -> None:
     """The rest of the current epoch, or of the training if it ends first; a checkpoint every ``checkpoint_every``."""
     batches = epoch_batches(s.train_items, s.cfg, s.env, s.epoch)
-    batch_set = data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len)
-    for batch in data.loader(batch_set, s.batch, s.cfg.loader_workers):
+    batch_set = data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len, s.cfg.ttt_steps)
+    cuda = s.env.device.type == "cuda"
+    for batch in data.on_device(data.loader(batch_set, s.batch, s.cfg.loader_workers, pin=cuda), s.env.device):
         if s.step >= s.total:
             return
         train_step(s, batch)
@@ -287,10 +303,10 @@ def train_epoch(s: Session) -> None:
     s.epoch, s.batch = s.epoch + 1, 0
 
 
-def train_step(s: Session, batch: dict[str, torch.Tensor]) -> None:
-    """One optimizer step on one batch, recorded in metrics.jsonl and reported every ``log_every`` steps."""
+def train_step(s: Session, b: data.Batch) -> None:
+    """One optimizer step on one batch (on the device), recorded in metrics.jsonl and reported every ``log_every``
+    steps. Its figures stay on the device until then: the host queues the next step while this one runs."""
     env = s.env
-    b = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
     with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
         loss, losses, accs = s.model(*objective_inputs(b))
     s.opt.zero_grad(set_to_none=True)
@@ -301,21 +317,33 @@ def train_step(s: Session, batch: dict[str, torch.Tensor]) -> None:
     lr = s.sched.get_last_lr()[0]  # the rate this step used
     s.sched.step()
     s.step, s.batch = s.step + 1, s.batch + 1
-    figures = torch.cat([loss.detach()[None], losses, accs, b["tokens"].float()[None]])
-    if env.world > 1:
-        dist.all_reduce(figures)  # shares summed: the global batch's figures
-    total_loss, *per_step, tokens = figures.tolist()
-    k = len(losses)
-    s.window_tokens += int(tokens)
-    s.last = {"loss": total_loss, "acc": [round(a, 4) for a in per_step[k:]]}
-    s.rep.record({"step": s.step, **s.last, "step_losses": per_step[:k], "grad_norm": float(gnorm), "lr": lr})
+    s.pending.append((s.step, lr, torch.cat([loss.detach()[None], losses, accs, b["tokens"].float()[None]]), gnorm))
     if s.step % s.cfg.log_every == 0 or s.step == s.total:
         report(s)
+
+
+def read_figures(s: Session) -> None:
+    """The pending steps' figures read back from the device in one go (one wait for the GPU, one all-reduce across
+    processes: shares summed, the global batch's figures) and recorded step by step."""
+    if not s.pending:
+        return
+    figures = torch.stack([f for _, _, f, _ in s.pending])
+    if s.env.world > 1:
+        dist.all_reduce(figures)
+    norms = torch.stack([g for *_, g in s.pending]).tolist()  # the same on every process: not summed
+    k = s.cfg.ttt_steps
+    for (step, lr, _, _), row, gnorm in zip(s.pending, figures.tolist(), norms, strict=True):
+        total_loss, *per_step, tokens = row
+        s.window_tokens += int(tokens)
+        s.last = {"loss": total_loss, "acc": [round(a, 4) for a in per_step[k:]]}
+        s.rep.record({"step": step, **s.last, "step_losses": per_step[:k], "grad_norm": gnorm, "lr": lr})
+    s.pending.clear()
     s.rep.step(s.step, f"loss {s.last['loss']:.3f} acc0 {s.last['acc'][0]:.2f}")
 
 
 def report(s: Session) -> None:
     """Progress, with throughput and time left measured since the previous report."""
+    read_figures(s)
     now = time.time()
     elapsed = max(now - s.window_start, 1e-9)
     tokens_per_s = s.window_tokens / elapsed
@@ -338,6 +366,7 @@ def report(s: Session) -> None:
 def checkpoint(s: Session) -> dict:
     """Rank 0 saves a checkpoint, then every process evaluates its share of the held-out split. Returns the
     checkpoint's path (rank 0) and the held-out figures."""
+    read_figures(s)  # every step the checkpoint holds is in metrics.jsonl before it
     path = save(s) if s.env.main else None
     figures = heldout(s)
     s.rep.heldout(s.step, figures)

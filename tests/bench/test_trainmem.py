@@ -1,0 +1,34 @@
+"""The memory accounting (bench/gpu/trainmem.py) of a training step at Kimi-K2.5's and Llama-3-8B's real shapes, on
+fake tensors: no allocation is T x T or T x V (the largest ones checked; T x the draft vocabulary is the target's
+logits at the loss positions, bf16, once), the peak grows linearly with the length, and the memory rule
+(the trainer's memory.py) is above what the step holds, by its margin and not much more."""
+
+import pytest
+import trainmem
+from trainshapes import TEXT
+
+from eaglet.services.trainer.memory import estimate, rule_shape
+
+T = 12288  # no dimension of the shapes is a multiple of it: a T-sized dimension is T's
+
+
+def quadratic(a, text: dict, length: int) -> bool:
+    """Whether an allocation is T x T or T x V (a dimension of about the length: the row, or a step's loss rows)."""
+    rows = sum(length - 16 <= x <= length + 16 for x in a.shape)
+    return rows >= 2 or (rows == 1 and text["vocab_size"] in a.shape)
+
+
+@pytest.mark.parametrize("shape, flags", [("kimi", ""), ("l8b", "--checkpoint-steps")])
+def test_memory_grows_linearly_and_nothing_is_t_by_t_or_t_by_v(shape, flags):
+    cfg, text = trainmem.trainer_config(flags), TEXT[shape]
+    peaks = []
+    for length in (2 * T, 4 * T, 8 * T):
+        tracker = trainmem.account(text, length, cfg)
+        for a in tracker.largest():
+            assert not quadratic(a, text, length), (a, length)
+        rule = estimate(rule_shape(text, cfg), length, cfg).total_gib
+        peak = tracker.peak / 2**30
+        assert peak <= rule <= 1.25 * peak + 1, (length, peak, rule)
+        peaks.append(peak)
+    growth = (peaks[2] - peaks[1]) / (peaks[1] - peaks[0])
+    assert growth == pytest.approx(2, rel=0.1), peaks  # linear in T: twice the length, twice the increase
