@@ -20,6 +20,7 @@ import torch
 from redis import Redis
 
 from eaglet.services.extractor.exceptions import SampleRejected, Transient
+from eaglet.shared.config import Settings
 from eaglet.shared.dumpfile import (
     FP8_ENCODING,
     Dump,
@@ -68,6 +69,33 @@ class Extractor:
     _meta: dict[str, RunMeta] = field(default_factory=dict)
     _layers: dict[str, list[int]] = field(default_factory=dict)
     """Each run's captured layers, once known: set once in Redis, they never change."""
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        redis: Redis,
+        *,
+        worker: str,
+        instance: str = "",
+        on_state: Callable[[str, str, str, str], None] | None = None,
+        on_stored: Callable[[int, dict[str, float]], None] | None = None,
+    ) -> "Extractor":
+        """The extractor of a process named ``worker``: ``redis`` its (decoded) client, a client of its own for the
+        inference server."""
+        return cls(
+            redis=redis,
+            http=httpx.Client(base_url=settings.inference_url, timeout=settings.request_timeout_s),
+            data_dir=settings.data_dir,
+            dump_dir=settings.dump_dir,
+            worker=worker,
+            instance=instance,
+            dump_wait_s=settings.dump_wait_s,
+            max_attempts=settings.max_attempts,
+            store_dtype=settings.store_dtype,
+            on_state=on_state,
+            on_stored=on_stored,
+        )
 
     def extract(self, run_id: str, index: int) -> str:
         """Runs one job to an outcome in Redis; returns what happened, for the job's log."""

@@ -1,15 +1,16 @@
 """The RQ jobs of an extractor worker. Arguments are ids; everything else is resolved here.
 
-The worker process sets up one ``Extractor`` (connections, caches) with ``configure``; a plain
-``rq worker`` on these queues works too and builds one from the environment on its first job.
+A job gets its worker's ``Extractor`` (connections, caches), built once per process by the worker's service, through
+the worker loop's job context. A plain ``rq worker`` on these queues works too: its process builds one from the
+environment on its first job.
 """
 
+import functools
 import logging
 import os
 import socket
 import time
 
-import httpx
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.exceptions import AbandonedJobError
@@ -19,23 +20,16 @@ from eaglet.shared.config import Settings
 from eaglet.shared.connections import connect
 from eaglet.shared.keys import RunKeys
 from eaglet.shared.runstate import RunState
+from eaglet.shared.workerloop import job_context
 
 log = logging.getLogger(__name__)
-_extractor: Extractor | None = None  # one per worker process, set up by the worker's entry point
-
-
-def configure(extractor: Extractor) -> None:
-    global _extractor
-    _extractor = extractor
-
-
 REDIS_BACKOFF_S = (1, 2, 5, 10)
 
 
 def extract_sample(run_id: str, index: int) -> str:
     """Extracts one sample. A Redis outage is waited out here: extraction is idempotent (a stored file is
     found and marked), so the job starts over rather than failing with its sample stored but unmarked."""
-    extractor = _extractor or _from_environment()
+    extractor = job_context(Extractor) or _from_environment()
     deadline = time.monotonic() + extractor.max_transient_s
     tries = 0
     while True:
@@ -61,7 +55,8 @@ def on_extract_failure(job, connection, exc_type, exc_value, traceback) -> None:
     A job RQ found abandoned (its worker died) is not the sample's fault: it is noted for the reaper,
     which queues it again (services/extractor/reaper.py)."""
     run_id, index = job.args
-    redis = _extractor.redis if _extractor else connect(Settings().redis_url)
+    extractor = job_context(Extractor)  # none where another process's cleanup found the job abandoned
+    redis = extractor.redis if extractor else connect(Settings().redis_url)
     if exc_type is AbandonedJobError:
         log.warning("run %s sample %s: RQ found job %s abandoned by %s", run_id, index, job.id, job.worker_name)
         RunState(redis, run_id).end_attempt(int(index))
@@ -71,17 +66,10 @@ def on_extract_failure(job, connection, exc_type, exc_value, traceback) -> None:
     RunState(redis, run_id).mark_failed(int(index), "", reason, job.worker_name or "")
 
 
+@functools.cache
 def _from_environment() -> Extractor:
+    """The extractor of a process that runs these jobs outside the worker loop: one, from its environment."""
     settings = Settings()
-    extractor = Extractor(
-        redis=connect(settings.redis_url),
-        http=httpx.Client(base_url=settings.inference_url, timeout=settings.request_timeout_s),
-        data_dir=settings.data_dir,
-        dump_dir=settings.dump_dir,
-        worker=f"{socket.gethostname()}:{os.getpid()}",
-        dump_wait_s=settings.dump_wait_s,
-        max_attempts=settings.max_attempts,
-        store_dtype=settings.store_dtype,
+    return Extractor.from_settings(
+        settings, connect(settings.redis_url), worker=f"{socket.gethostname()}:{os.getpid()}"
     )
-    configure(extractor)
-    return extractor

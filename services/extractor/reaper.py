@@ -56,7 +56,7 @@ class Reaper:
     max_lost: int
     sample_id_of: Callable[[str, int], str]  # (run, index) -> sample id, for the failure record
     partial_of: Callable[[str, int, str], None]  # (run, index, instance): removes that instance's temp file
-    current_rq_worker: str = ""  # ...earlier RQ workers, which a Redis outage ended mid-job
+    current_rq_worker: Callable[[], str]  # ...earlier RQ workers, ended mid-job by a Redis outage: the current one
     _idle_since: dict[str, float] = field(default_factory=dict)  # run -> when it was first seen with nothing running
 
     def sweep(self, run_ids: list[str]) -> dict[str, int]:
@@ -150,7 +150,7 @@ class Reaper:
         ended_here = (
             owner is not None
             and owner[1] == self.instance
-            and job.worker_name != self.current_rq_worker
+            and job.worker_name != self.current_rq_worker()
             and now - started > self.lost_after_s
         )
         if owner is None or (
