@@ -1,6 +1,6 @@
 """Latency of ``GET /status`` over a 1 M-sample run and 64 workers, and under a steady load.
 
-Seeds only what the writers keep (eaglet/shared/runstate.py, eaglet/shared/heartbeats.py): done and failed bitmaps,
+Seeds only what the writers keep (shared/runstate.py, shared/heartbeats.py): done and failed bitmaps,
 counters, the attempts hash (one field per sample started: 1 M fields), the capped ``recent`` and
 ``errors`` lists, in-flight samples, worker heartbeats and inference health. Then starts the gateway as
 its own process (``python -m eaglet.services.gateway.main``) and measures /status one request at a time, then

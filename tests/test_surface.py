@@ -13,14 +13,15 @@ import importlib
 import os
 import pkgutil
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 from pydantic_settings import BaseSettings
 
-import eaglet
 from eaglet.cli import main as cli
 from eaglet.services.inference import sglang_launch
+from tests.conftest import ROOT
 
 INFERENCE = Path(sglang_launch.__file__).parent
 # The launcher and the plugin run in SGLang's image, outside pydantic's settings: their variables are read by name.
@@ -78,8 +79,11 @@ def command_lines(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def settings_classes() -> set[type[BaseSettings]]:
     """Every Settings class of the package: its modules imported, BaseSettings' subclasses walked."""
-    for module in pkgutil.walk_packages(eaglet.__path__, "eaglet."):
-        importlib.import_module(module.name)
+    # eaglet is a namespace the editable install answers for, which pkgutil cannot list: each of its folders is.
+    for name in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]:
+        package = importlib.import_module(name)
+        for module in pkgutil.walk_packages(package.__path__, f"{name}."):
+            importlib.import_module(module.name)
     found, todo = set(), [BaseSettings]
     while todo:
         for sub in todo.pop().__subclasses__():

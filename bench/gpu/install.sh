@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # install.sh PART...: on the GPU machine, from the repo root, install staged parts (bench/gpu/stage.sh).
 #   p1   sglang, flashinfer, sglang-kernel -> /root/stage/site; eaglet's wheels -> /root/stage/esite;
-#        redis-server -> /root/stage/redis; eaglet's SGLang plugin (from this tree) -> /root/stage/plugin_site
+#        redis-server -> /root/stage/redis; eaglet's SGLang plugin (from this tree) -> /root/stage/plugin_site;
+#        eaglet itself (from this tree) -> /root/stage/esite
 #   p2   the rest of SGLang's dependencies -> /root/stage/site; tokenizer -> /root/stage/tokenizer
 #   p3   SpecForge 0.2.0 -> /root/stage/sfsite (its own folder: eaglet's runs never see it); the HumanEval
 #        prompts -> /root/stage/humaneval (bench/gpu/stage-specforge.sh)
@@ -35,11 +36,16 @@ for PART in "$@"; do
   echo "installed $name in $(( $(date +%s) - t0 )) s"
 done
 # eaglet's plugin, always from this tree (a fix travels with the tree): a distribution with the entry point.
+# eaglet too, beside its dependencies: its folders (cli/, services/, shared/) are eaglet.* only once installed
+# (pyproject.toml's package-dir). Each is built from a fresh copy, so no earlier build's files ride along.
 if [ -f $S/p1.done ]; then
   rm -rf $S/plugin_site; mkdir -p $S/plugin_site
-  rm -rf /root/plugbuild; cp -r eaglet/services/inference/sglang_plugin /root/plugbuild; rm -rf /root/plugbuild/*.egg-info
+  rm -rf /root/plugbuild; cp -r services/inference/sglang_plugin /root/plugbuild; rm -rf /root/plugbuild/*.egg-info
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target $S/plugin_site /root/plugbuild \
     >/root/plugbuild.log 2>&1 || { echo "plugin install failed:"; tail -20 /root/plugbuild.log; }
+  rm -rf /root/eagletbuild; mkdir /root/eagletbuild; cp -r pyproject.toml README.md cli services shared /root/eagletbuild/
+  $PIPI --no-build-isolation --target $S/esite /root/eagletbuild \
+    >/root/eagletbuild.log 2>&1 || { echo "eaglet install failed:"; tail -20 /root/eagletbuild.log; }
 fi
 if [ -f $S/gguf/gguf.part0 ] && [ -f $S/gguf/gguf.part1 ] && [ -f $S/gguf/gguf.part2 ] && [ ! -f $S/gguf/model.gguf ]; then
   cat $S/gguf/gguf.part0 $S/gguf/gguf.part1 $S/gguf/gguf.part2 > $S/gguf/model.gguf

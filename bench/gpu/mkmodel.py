@@ -104,7 +104,7 @@ def random_llama(shape: str, out: str, tokenizer_dir: str) -> None:
 
 
 def from_gguf(out: str, gguf_file: str) -> None:
-    """The bundled model's conversion (eaglet/shared/target.py), from a GGUF file given by path."""
+    """The bundled model's conversion (shared/target.py), from a GGUF file given by path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, name = os.path.dirname(gguf_file), os.path.basename(gguf_file)

@@ -17,6 +17,7 @@ import ast
 import importlib.metadata
 import re
 import sys
+import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ ENTRY_MODULES = (
 )
 # The SGLang plugin: a distribution of its own (top-level package ``eaglet_sglang``) that SGLang loads by its entry
 # point inside the server; every module of it counts as an entry.
-PLUGIN_DIR = Path("eaglet/services/inference/sglang_plugin")
+PLUGIN_DIR = Path("services/inference/sglang_plugin")
 PLUGIN_PACKAGE = "eaglet_sglang"
 
 # The SGLang stack stage.sh always stages (step 1), by distribution and by the name it is imported as (this
@@ -79,24 +80,30 @@ class Missing:
 
 
 class Tree:
-    """First-party modules: each top-level package name and the folder that holds it."""
+    """First-party modules: each package root (``eaglet.shared``, ``eaglet_sglang``) and its folder, as a
+    package-dir maps them."""
 
     def __init__(self, roots: Mapping[str, Path]) -> None:
         self.roots = dict(roots)
+        self._tops = {r.split(".", 1)[0] for r in self.roots}
         self._strings = re.compile(
-            r"^((?:" + "|".join(re.escape(r) for r in sorted(self.roots)) + r")(?:\.\w+)+)(?::\w+)?$"
+            r"^((?:" + "|".join(re.escape(r) for r in sorted(self._tops)) + r")(?:\.\w+)+)(?::\w+)?$"
         )
 
     def owns(self, name: str) -> bool:
-        return name.split(".", 1)[0] in self.roots
+        return name.split(".", 1)[0] in self._tops
 
     def file(self, name: str) -> Path | None:
-        """The source file of a first-party module or package, None if there is none."""
+        """The source file of a first-party module or package, None if there is none (``eaglet`` itself: a
+        namespace, no file)."""
         parts = name.split(".")
-        base = self.roots.get(parts[0])
-        if base is None:
+        for n in range(len(parts), 0, -1):
+            base = self.roots.get(".".join(parts[:n]))
+            if base is not None:
+                break
+        else:
             return None
-        stem = base.joinpath(*parts)
+        stem = base.joinpath(*parts[n:])
         for candidate in (stem.with_suffix(".py"), stem / "__init__.py"):
             if candidate.is_file():
                 return candidate
@@ -193,9 +200,15 @@ def third_party_imports(entries: Iterable[str], tree: Tree) -> list[Site]:
     return sorted(set(sites))
 
 
+def package_folders(repo: Path = REPO) -> dict[str, Path]:
+    """eaglet's package roots and their folders in ``repo``, as pyproject.toml maps them onto eaglet.*."""
+    mapped = tomllib.loads((repo / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]
+    return {name: repo / folder for name, folder in mapped.items()}
+
+
 def gpu_entries(repo: Path = REPO) -> tuple[list[str], Tree]:
     """The GPU runs' entry modules that exist in ``repo`` (the plugin's modules included) and their tree."""
-    tree = Tree({"eaglet": repo, PLUGIN_PACKAGE: repo / PLUGIN_DIR})
+    tree = Tree({**package_folders(repo), PLUGIN_PACKAGE: repo / PLUGIN_DIR / PLUGIN_PACKAGE})
     entries = [m for m in ENTRY_MODULES if tree.file(m) is not None]
     plugin = repo / PLUGIN_DIR / PLUGIN_PACKAGE
     for path in sorted(plugin.rglob("*.py")):

@@ -40,7 +40,7 @@ def test_a_module_nothing_provides_is_reported_with_its_file_and_line(tmp_path):
     )
     listing = write("machine.txt", "Mon Nov 30 05:11:05 AM UTC 2026\n16\nimaged_one              3.1\n")
 
-    sites = staging.third_party_imports(["app.entry"], staging.Tree({"app": tmp_path}))
+    sites = staging.third_party_imports(["app.entry"], staging.Tree({"app": tmp_path / "app"}))
     assert {s.module for s in sites} == {"staged_one", "zz_made_up_dist", "imaged_one"}
     provided = staging.stage_distributions(stage) | staging.listed_distributions([listing])
     assert provided == {"staged-one", "other", "fake-extra", "imaged-one"}

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILES = sorted({*ROOT.joinpath("docker").glob("*Dockerfile*"), *ROOT.joinpath("eaglet").rglob("Dockerfile*")})
+DOCKERFILES = sorted({*ROOT.joinpath("docker").glob("*Dockerfile*"), *ROOT.joinpath("services").rglob("Dockerfile*")})
 
 
 def ignore_rules() -> list[tuple[re.Pattern, bool]]:
@@ -63,8 +63,8 @@ def copy_sources(dockerfile: Path) -> list[str]:
 
 
 def test_the_matcher_reads_dockerignore_as_docker_does():
-    assert in_context("eaglet/shared/ids.py") and in_context("pyproject.toml") and in_context("scripts/pin.py")
-    assert not in_context("eaglet/shared/__pycache__/ids.cpython-311.pyc")
+    assert in_context("shared/ids.py") and in_context("pyproject.toml") and in_context("scripts/pin.py")
+    assert not in_context("shared/__pycache__/ids.cpython-311.pyc")
     assert not in_context("var/models/x") and not in_context("scripts/install-system.sh")
     assert in_context("data/demo/train.jsonl") and not in_context("data/demo/notes.md")
 

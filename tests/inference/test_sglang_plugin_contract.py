@@ -19,7 +19,7 @@ from eaglet.services.inference import sglang_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / ".venv-sglang" / "wheels"
-PLUGIN_DIR = ROOT / "eaglet" / "services" / "inference" / "sglang_plugin" / "eaglet_sglang"
+PLUGIN_DIR = ROOT / "services" / "inference" / "sglang_plugin" / "eaglet_sglang"
 
 
 def _load_versions():
@@ -246,5 +246,5 @@ def test_versions_agree():
     group = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["sglang-cpu"]
     (pin,) = [p for p in group if p.startswith("sglang==")]
     assert pin.removeprefix("sglang==") == versions.DEFAULT
-    docker = (ROOT / "eaglet" / "services" / "inference" / "Dockerfile.sglang").read_text()
+    docker = (ROOT / "services" / "inference" / "Dockerfile.sglang").read_text()
     assert f"ARG SGLANG_VERSION={versions.DEFAULT}" in docker

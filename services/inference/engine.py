@@ -1,0 +1,113 @@
+"""The reference engine: a Hugging Face causal LM that returns, per prompt, the states an EAGLE-3
+drafter learns from. Same contract as SGLang with eaglet's plugin, built on transformers.
+
+Captured: the residual stream entering layers ``aux_layer_ids`` (SGLang's convention: capture point i
+is the input of layer i, which is ``hidden_states[i]`` in transformers' tuple) and the final layer's
+output after the final norm.
+"""
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eaglet.shared.dumpfile import DumpEncoding
+from eaglet.shared.layers import default_layer_ids
+from eaglet.shared.store import FP8_BLOCK_BYTES, FP8_DEVICE_BLOCK_BYTES, encode_fp8
+from eaglet.shared.topk import encode_topk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prefill:
+    hidden_states: torch.Tensor  # [T, H], on the CPU
+    aux_hidden_states: torch.Tensor  # [T, 3H], on the CPU
+    next_token: int
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Of hidden_states and aux_hidden_states [T, 1], when they are fp8-encoded (shared/dumpfile.py)."""
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The target's top-k distribution (ids, log-probs) [T, k], when asked for (shared/topk.py)."""
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.hidden_states, self.aux_hidden_states, *(self.scales or ()), *(self.topk or ()))
+        return sum(t.nbytes for t in parts)
+
+
+class ReferenceEngine:
+    def __init__(self, model_dir: Path, *, device: str | None = None, dtype: str | None = None):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = (
+            getattr(torch, dtype) if dtype else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        )
+        self.model_dir = Path(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        config = self.model.config
+        self.hidden_size = config.hidden_size
+        self.num_layers = config.num_hidden_layers
+        self.vocab_size = config.vocab_size
+        self.max_positions = getattr(config, "max_position_embeddings", 1 << 30)
+        self.aux_layer_ids = default_layer_ids(self.num_layers)
+        log.info("engine: %s on %s (%s), aux layers %s", model_dir, self.device, self.dtype, self.aux_layer_ids)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], encodings: list[DumpEncoding] | None = None) -> list[Prefill]:
+        """One forward over a right-padded batch; each prompt gets its own rows back, with what its encoding asks
+        for computed on the device before the copy to the host: the top-k distribution, fp8-encoded states."""
+        lengths = [len(p) for p in prompts]
+        ids = torch.full((len(prompts), max(lengths)), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+            mask[i, : len(p)] = 1
+        out = self.model.model(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True
+        )
+        final = out.last_hidden_state  # [B, T, H], after the final norm
+        aux = torch.cat([out.hidden_states[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
+        last = final[torch.arange(len(prompts)), torch.tensor(lengths) - 1]  # [B, H]
+        next_tokens = self.model.lm_head(last).argmax(-1).tolist()
+        out = []
+        for i, n in enumerate(lengths):
+            encoding = encodings[i] if encodings else DumpEncoding()
+            topk = None
+            if encoding.topk:
+                ids, logp = encode_topk(final[i, :n], self.model.lm_head.weight, encoding.topk)
+                topk = (ids.cpu(), logp.cpu())
+            if encoding.fp8:
+                block = FP8_DEVICE_BLOCK_BYTES if self.device.type == "cuda" else FP8_BLOCK_BYTES
+                (h, h_scale), (a, a_scale) = encode_fp8(final[i, :n], block), encode_fp8(aux[i, :n], block)
+                out.append(Prefill(h.cpu(), a.cpu(), next_tokens[i], (h_scale.cpu(), a_scale.cpu()), topk))
+            else:
+                out.append(Prefill(final[i, :n].cpu(), aux[i, :n].cpu(), next_tokens[i], topk=topk))
+        return out
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float):
+        """Text generation over a left-padded batch; returns each prompt's new token ids (eos kept)."""
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        sample = temperature > 0
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=sample,
+            temperature=temperature if sample else None,
+            top_p=top_p if sample else None,
+            top_k=None,
+            pad_token_id=pad,
+        )
+        eos = self.tokenizer.eos_token_id
+        results = []
+        for row in out[:, width:].tolist():
+            if eos in row:
+                row = row[: row.index(eos) + 1]
+            results.append(row)
+        return results

@@ -1,0 +1,377 @@
+"""The hooks that SGLang calls, in every scheduler process, and the state they share.
+
+- AROUND ``TpModelWorker.forward_batch_generation``: the one place that sees the ``ScheduleBatch``
+  (rids, prefix and extend lengths, in row order) next to the forward's ``logits_output``, the same
+  whether the forward ran eagerly or through a CUDA graph. Rows of eaglet requests are copied out
+  at once and joined per request; a whole prompt is written by the writer thread.
+- AROUND ``ModelRunner.init_attention_backends``: where SGLang itself turns on EAGLE-3 capture,
+  before any CUDA graph is captured. After it, the plugin sets the wanted layers in every version
+  (translating the ids to the model family's convention) and checks that the model reads exactly
+  those, else the server does not start.
+- AROUND ``LogitsProcessor.forward``: its ``hidden_states`` argument is the final layer after the
+  final norm. Versions with the capture flag hand it back as ``logits_output.last_hidden_states``;
+  for the others the hook keeps a reference while an eaglet forward runs.
+"""
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglet.shared.dumpfile import DUMP_ENCODING_PARAM, FP8_ENCODING
+from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES, DEFAULT_THREADS, DumpWriter
+from eaglet.shared.ids import is_eaglet_rid
+from eaglet.shared.layers import default_layer_ids, layer_ids_problem, sglang_arg_ids
+from eaglet.shared.store import FP8_DEVICE_BLOCK_BYTES, encode_fp8
+from eaglet_sglang import versions
+from eaglet_sglang.collector import Collector, Rows, plan_rows
+from eaglet_sglang.writer import DumpJob, HostChunk, copy_rows, record_event
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class DumpSettings:
+    """Read from the server process's environment (``from_env``)."""
+
+    dump_dir: Path
+    """``EAGLET_DUMP_DIR``: where ``<rid>.safetensors`` appear; shared memory on the host, read by the workers."""
+    timeout_s: float = 600.0
+    """``EAGLET_DUMP_TIMEOUT_S``: a request whose next chunk does not come within this is dropped (aborted)."""
+    aux_layer_ids: list[int] | None = None
+    """``EAGLET_AUX_LAYER_IDS`` (e.g. ``2,15,27``), SGLang's convention (the layer whose input is captured).
+    Unset: ``default_layer_ids(L)``. Checked against the model's layer count at server start."""
+    queue_bytes: int = DEFAULT_CAP_BYTES
+    """``EAGLET_DUMP_QUEUE_BYTES``: most bytes of dumps held on the host waiting for the disk, per scheduler
+    process; when full, the forward waits (back-pressure, shown in /status) rather than growing."""
+    writer_threads: int = DEFAULT_THREADS
+    """``EAGLET_DUMP_WRITER_THREADS``: dumps written at once, per scheduler process."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"EAGLET_DUMP_TIMEOUT_S={self.timeout_s}: give a positive number of seconds")
+        if self.queue_bytes <= 0 or self.writer_threads <= 0:
+            raise ValueError(
+                f"EAGLET_DUMP_QUEUE_BYTES={self.queue_bytes}, EAGLET_DUMP_WRITER_THREADS={self.writer_threads}: "
+                "both must be positive"
+            )
+        if self.aux_layer_ids is not None:
+            problem = layer_ids_problem(self.aux_layer_ids, None)
+            if problem:
+                raise ValueError(f"EAGLET_AUX_LAYER_IDS={self.aux_layer_ids}: {problem}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "DumpSettings":
+        env = os.environ if env is None else env
+        dump_dir = env.get("EAGLET_DUMP_DIR")
+        if not dump_dir:
+            raise RuntimeError("EAGLET_DUMP_DIR is not set: the SGLang server needs the dump dir the workers read")
+        ids = env.get("EAGLET_AUX_LAYER_IDS")
+        return cls(
+            dump_dir=Path(dump_dir),
+            timeout_s=float(env.get("EAGLET_DUMP_TIMEOUT_S", "600")),
+            aux_layer_ids=[int(x) for x in ids.split(",")] if ids else None,
+            queue_bytes=int(env.get("EAGLET_DUMP_QUEUE_BYTES", DEFAULT_CAP_BYTES)),
+            writer_threads=int(env.get("EAGLET_DUMP_WRITER_THREADS", DEFAULT_THREADS)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """The batch's lists as they were when the forward started (the overlap scheduler mutates them)."""
+
+    rows: list[Rows]
+    fp8: frozenset[str]
+    """The rids whose request asked for fp8-encoded states (``custom_params``)."""
+
+
+class DumpPlugin:
+    """Per-process state of the dump hooks: the collector, the writer, what each worker captures."""
+
+    def __init__(self, settings: DumpSettings):
+        self.settings = settings
+        self.collector = Collector(timeout_s=settings.timeout_s)
+        self._writer: DumpWriter | None = None  # started on the first dump: the launcher process never needs one
+        self._workers: dict[int, tuple[bool, list[int], str]] = {}  # id(worker) -> (writes?, layer ids, model)
+        self._armed = False
+        self._final: torch.Tensor | None = None
+        self._next_expiry = 0.0
+        self._warned: set[str] = set()
+
+    # --- hooks ---------------------------------------------------------------------------------
+
+    def around_forward(self, original: Any, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> Any:
+        snapshot = self._snapshot(worker, batch)
+        if snapshot is None:
+            return original(worker, batch, *args, **kwargs)
+        self._armed, self._final = True, None
+        try:
+            result = original(worker, batch, *args, **kwargs)
+            final = self._final
+        finally:
+            self._armed, self._final = False, None
+        try:
+            self._capture(worker, snapshot, result, final)
+        except Exception:
+            # Boundary between SGLang and the plugin: a fault here must not fail the batch. The
+            # worker finds no dump for these rids and records that.
+            log.error("dump capture failed for rids %s", [r.rid for r in snapshot.rows], exc_info=True)
+        return result
+
+    def around_init_attention_backends(self, original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(runner, *args, **kwargs)
+        if not getattr(runner, "is_draft_worker", False):
+            check_prefill_graph(runner.server_args)
+            self.enable_capture(runner.model)
+        return result
+
+    def around_logits_forward(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._armed:
+            # args: (logits_processor, input_ids, hidden_states, ...); a reference only, copied after the forward
+            self._final = args[2] if len(args) > 2 else kwargs.get("hidden_states")
+        return original(*args, **kwargs)
+
+    # --- capture -------------------------------------------------------------------------------
+
+    def enable_capture(self, model: Any) -> None:
+        """Makes SGLang capture exactly the wanted layers, or refuses to start (must precede graph capture).
+
+        Runs after SGLang's own setup, which may already have called ``set_eagle3_layers_to_capture``
+        (the capture flag). Model families read the ids they are given differently (most add one,
+        DeepSeek adds one only when the first id is 1, GPT-OSS keeps them when the last is L), so
+        each convention is tried in turn and the list the model ends up reading is compared with
+        the wanted one.
+        """
+        name = type(model).__name__
+        if not hasattr(model, "set_eagle3_layers_to_capture"):
+            raise RuntimeError(f"{name} has no set_eagle3_layers_to_capture: SGLang cannot capture it")
+        site = capture_site(model)
+        wanted = self.settings.aux_layer_ids or default_layer_ids(site.num_layers)
+        problem = layer_ids_problem(wanted, site.num_layers)
+        if problem:
+            raise RuntimeError(f"{name}: aux layer ids {wanted}: {problem}")
+        tried: list[str] = []
+        for ids in (sglang_arg_ids(wanted), list(wanted)):
+            try:
+                model.set_eagle3_layers_to_capture(ids)
+            except IndexError as e:  # a family that indexes its layers with the ids it is given
+                tried.append(f"{ids} -> {e!r}")
+                continue
+            got = [int(i) for i in site.layers_owner.layers_to_capture]
+            if got == wanted:
+                break
+            tried.append(f"{ids} -> {got}")
+        else:
+            raise RuntimeError(
+                f"{name} cannot capture layers {wanted} (SGLang's convention): set_eagle3_layers_to_capture "
+                f"gave {'; '.join(tried)}. Choose other --aux-layer-ids."
+            )
+        _clear_stale_marks(site.layers_owner, wanted)
+        log.info("EAGLE-3 capture of %s: layers %s of %d", name, wanted, site.num_layers)
+
+    def _snapshot(self, worker: Any, batch: Any) -> _Snapshot | None:
+        if batch is None or batch.forward_mode is None or batch.forward_mode.is_decode_or_idle():
+            return None
+        reqs = list(batch.reqs)
+        if not any(is_eaglet_rid(r.rid) for r in reqs) or not self._worker(worker)[0]:
+            return None
+        decoding = {id(r) for r in (batch.decoding_reqs or [])}
+        rows = plan_rows(
+            [r.rid for r in reqs],
+            [len(r.origin_input_ids) for r in reqs],
+            list(batch.prefix_lens),
+            list(batch.extend_lens),
+            [id(r) in decoding for r in reqs],
+        )
+        fp8 = frozenset(r.rid for r in reqs if _asks_fp8(r))
+        return _Snapshot(rows, fp8) if rows else None
+
+    def _capture(self, worker: Any, snapshot: _Snapshot, result: Any, stashed: torch.Tensor | None) -> None:
+        _, layer_ids, model = self._worker(worker)
+        out = getattr(result, "logits_output", None)
+        aux = getattr(out, "hidden_states", None)
+        final = getattr(out, "last_hidden_states", None)
+        final = stashed if final is None else final
+        needed = max(r.start + r.length for r in snapshot.rows)
+        problem = _check_outputs(aux, final, len(layer_ids), needed)
+        if problem:
+            self._warn_once(problem)
+            return
+        encoded = None
+        if any(r.rid in snapshot.fp8 for r in snapshot.rows):
+            # On the device, before the copy: half the bytes through PCIe, pinned memory, the dump and the disk.
+            (aux_fp8, aux_scale) = encode_fp8(aux[:needed], FP8_DEVICE_BLOCK_BYTES)
+            (final_fp8, final_scale) = encode_fp8(final[:needed], FP8_DEVICE_BLOCK_BYTES)
+            encoded = (aux_fp8, final_fp8, aux_scale, final_scale)
+        copies = []
+        for r in snapshot.rows:
+            sources = encoded if encoded is not None and r.rid in snapshot.fp8 else (aux, final)
+            copies.append((r, [copy_rows(t, r.start, r.length) for t in sources]))
+        event = record_event(aux.device)
+        for rows, host in copies:
+            done = self.collector.add(rows, HostChunk(host[0], host[1], event, *host[2:]))
+            if done is not None:
+                job = DumpJob(done.rid, done.chunks, layer_ids, model, aux.dtype)
+                # Blocks while the writer holds its cap of bytes: the forwards slow to the disk's pace.
+                self.writer.submit(job.nbytes, partial(job.write, self.settings.dump_dir), f"rid {job.rid}")
+        now = time.monotonic()
+        if now >= self._next_expiry:
+            self._next_expiry = now + 1.0
+            self.collector.expire()
+
+    @property
+    def writer(self) -> DumpWriter:
+        if self._writer is None:
+            self._writer = DumpWriter(
+                self.settings.dump_dir, cap_bytes=self.settings.queue_bytes, threads=self.settings.writer_threads
+            )
+        return self._writer
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _worker(self, worker: Any) -> tuple[bool, list[int], str]:
+        key = id(worker)
+        if key not in self._workers:
+            model = worker.model_runner.model
+            args = worker.server_args
+            name = getattr(args, "served_model_name", None) or args.model_path
+            self._workers[key] = (is_writer_rank(), captured_layers(model), str(name))
+            log.info("worker %s: writes dumps %s, layers %s, model %s", key, *self._workers[key])
+        return self._workers[key]
+
+    def _warn_once(self, problem: str) -> None:
+        if problem not in self._warned:
+            self._warned.add(problem)
+            log.error("no dumps: %s", problem)
+
+
+def _asks_fp8(req: Any) -> bool:
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(params, dict) and params.get(DUMP_ENCODING_PARAM) == FP8_ENCODING
+
+
+def _check_outputs(aux: Any, final: Any, num_aux: int, rows: int) -> str | None:
+    if not isinstance(aux, torch.Tensor):
+        return (
+            "logits_output.hidden_states is empty: launch with the capture flags "
+            "(services/inference/sglang_launch.py: --enable-return-aux-hidden-states, or "
+            "--enable-return-hidden-states before 0.5.23)"
+        )
+    if not isinstance(final, torch.Tensor):
+        return "no final-layer hidden states beside the aux states (logits processor hook not applied?)"
+    if aux.shape[0] < rows or final.shape[0] < rows:
+        return f"forward output has {aux.shape[0]} / {final.shape[0]} rows, the batch needs {rows}"
+    if aux.shape[-1] != num_aux * final.shape[-1]:
+        return (
+            f"aux states are {aux.shape[-1]} wide, expected {num_aux} x {final.shape[-1]}: "
+            "EAGLE-3 capture is off for this model"
+        )
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureSite:
+    """Where a served model keeps what the dumps need, found by walking its wrappers."""
+
+    layers_owner: Any
+    """The module whose ``layers_to_capture`` the forward reads (its ``layers`` are the decoder layers)."""
+    num_layers: int
+    logits_owner: Any
+    """The module whose ``logits_processor`` gets the final-norm states (and, beside them, the aux states)."""
+
+
+def _wrapped(model: Any) -> list[Any]:
+    """``model`` and what it wraps, breadth first, each module once.
+
+    Multimodal and wrapper classes hold the text model as ``language_model`` and/or ``model``
+    (Kimi-K2.5's ``model`` is a property returning ``language_model``); SGLang's own layer lookup
+    follows the same two attributes.
+    """
+    seen: set[int] = set()
+    order: list[Any] = []
+    queue = [model]
+    while queue:
+        obj = queue.pop(0)
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        order.append(obj)
+        queue += [getattr(obj, "language_model", None), getattr(obj, "model", None)]
+    return order
+
+
+def capture_site(model: Any) -> CaptureSite:
+    """Finds the capture list and the final-norm source of ``model``, or raises naming its class."""
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+
+    modules = _wrapped(model)
+    layers_owner = _layers_owner(model, modules)
+    logits_owner = next((m for m in modules if hasattr(m, "logits_processor")), None)
+    if logits_owner is None or not isinstance(logits_owner.logits_processor, LogitsProcessor):
+        raise RuntimeError(
+            f"{type(model).__name__}: found no SGLang LogitsProcessor under it (looked through "
+            f"{[type(m).__name__ for m in modules]}): the final-norm states are taken from its input"
+        )
+    return CaptureSite(layers_owner, len(layers_owner.layers), logits_owner)
+
+
+def _layers_owner(model: Any, modules: list[Any]) -> Any:
+    owner = next((m for m in modules if hasattr(m, "layers_to_capture")), None)
+    if owner is None or not hasattr(owner, "layers"):
+        raise RuntimeError(
+            f"{type(model).__name__}: found no module with layers_to_capture and layers under it (looked "
+            f"through {[type(m).__name__ for m in modules]} via .language_model / .model): the plugin cannot "
+            "check which layers SGLang captures"
+        )
+    return owner
+
+
+def captured_layers(model: Any) -> list[int]:
+    """The layers whose input SGLang captures, in its own convention (``layers_to_capture``)."""
+    return [int(i) for i in _layers_owner(model, _wrapped(model)).layers_to_capture]
+
+
+def _clear_stale_marks(layers_owner: Any, wanted: list[int]) -> None:
+    """Unmarks layers an earlier call marked. Some families (Qwen MoE, Qwen3-Next, MiniMax) flag
+    each captured layer as ``_is_layer_to_capture`` and never clear the flag, so SGLang's own call
+    with other ids would leave extra layers captured."""
+    for i, layer in enumerate(layers_owner.layers):
+        if getattr(layer, "_is_layer_to_capture", False) and i not in wanted:
+            layer._is_layer_to_capture = False
+
+
+def check_prefill_graph(server_args: Any) -> None:
+    """Refuses a prefill CUDA graph that runs the logits processor inside the graph where the final
+    states come from its input (versions without the capture flag): on replay the hook never runs."""
+    import sglang
+
+    if versions.has_capture_flag(sglang.__version__):
+        return
+    backend = server_args.cuda_graph_config.prefill.backend
+    if backend == versions.TC_PIECEWISE:
+        raise RuntimeError(
+            f"SGLang {sglang.__version__} chose the {backend} prefill CUDA graph, which captures the logits "
+            "processor: no final-norm states would reach the dumps. Launch with --cuda-graph-backend-prefill "
+            "disabled (services/inference/sglang_launch.py does)."
+        )
+
+
+def is_writer_rank() -> bool:
+    """Rank 0 of the attention TP group and of the attention CP group writes.
+
+    With DP attention each DP group has its own attention TP group and schedules only its own
+    requests, so this is each DP group's rank 0, writing its own requests.
+    """
+    from sglang.srt.distributed import parallel_state
+
+    return (
+        parallel_state.get_attn_tensor_model_parallel_rank() == 0
+        and parallel_state.get_attn_context_model_parallel_rank() == 0
+    )

@@ -1,0 +1,119 @@
+"""What a stored sample keeps of the target's states: the run's storage layout, fixed at ingest with its dtype.
+
+A drafter's training reads the auxiliary states at every position, and the final state only to form the target's
+next-token distribution at loss positions. So the final state may be kept
+
+- ``all``: at every position (as dumped);
+- ``loss``: only at the positions whose next token is under the loss mask (position p predicts token p + 1, so the
+  rows p with ``loss_mask[p + 1]``): ``hidden_states`` [N, H], N = ``loss_mask[1:].sum()``, in position order;
+- ``topk``: not at all: the target's top-k distribution instead (shared/topk.py), at every position;
+
+and the auxiliary states ``full`` (in the run's ``store_dtype``) or ``fp4`` (shared/fp4.py). The dtype
+(``store_dtype``: model, bf16, fp8) applies to every state kept at full width.
+
+``bytes_per_token`` is the one count of what each layout costs: the tables in BENCHMARKS.md and ``/status``'s
+projection before the first sample is stored both come from it.
+"""
+
+from dataclasses import dataclass
+from typing import Literal, cast, get_args
+
+import torch
+
+from .fp4 import FP4_BLOCK, FP4_STORAGE
+from .topk import check_k
+
+FinalStorage = Literal["all", "loss", "topk"]
+AuxStorage = Literal["full", "fp4"]
+NUM_AUX = 3
+IDS_MASK_BYTES = 5  # int32 input id + uint8 loss mask a token
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    final: FinalStorage = "all"
+    topk: int = 0
+    """Entries kept a token when ``final`` is ``topk``; 0 otherwise."""
+    aux: AuxStorage = "full"
+
+    def __post_init__(self) -> None:
+        if self.final not in get_args(FinalStorage):
+            raise ValueError(f"store_final={self.final!r}: use one of {', '.join(get_args(FinalStorage))}")
+        if self.aux not in get_args(AuxStorage):
+            raise ValueError(f"store_aux={self.aux!r}: use one of {', '.join(get_args(AuxStorage))}")
+        if self.final == "topk":
+            check_k(self.topk)
+        elif self.topk:
+            raise ValueError(f"store_topk={self.topk}: only a run with store_final 'topk' keeps a top-k")
+
+    @classmethod
+    def from_options(cls, options: dict | None) -> "Layout":
+        """The layout a run's recorded options name (a run recorded before layouts existed: the default)."""
+        options = options or {}
+        final = options.get("store_final") or "all"
+        topk = options.get("store_topk") or 0
+        aux = options.get("store_aux") or "full"  # both checked by the constructor
+        return cls(final=cast(FinalStorage, final), topk=topk if final == "topk" else 0, aux=cast(AuxStorage, aux))
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, str]) -> "Layout":
+        """The layout a stored sample's metadata names (a sample written before layouts existed: the default)."""
+        final = metadata.get("final_storage", "all")
+        aux = "fp4" if metadata.get("aux_storage") == FP4_STORAGE else "full"
+        topk = int(metadata.get("topk", 0)) if final == "topk" else 0
+        return cls(final=cast(FinalStorage, final), topk=topk, aux=cast(AuxStorage, aux))
+
+    def metadata(self) -> dict[str, str]:
+        """What a stored sample's metadata records of its layout (nothing for the default: files read as before)."""
+        out: dict[str, str] = {}
+        if self.final != "all":
+            out["final_storage"] = self.final
+        if self.final == "topk":
+            out["topk"] = str(self.topk)
+        if self.aux == "fp4":
+            out["aux_storage"] = FP4_STORAGE
+        return out
+
+    @property
+    def name(self) -> str:
+        """Short name of the layout, as tables and run names spell it: all, loss, top32, each with +fp4 aux."""
+        final = f"top{self.topk}" if self.final == "topk" else self.final
+        return final + ("+fp4" if self.aux == "fp4" else "")
+
+
+def loss_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The positions [N] (int64, rising) whose final state a ``loss`` layout keeps: those predicting a loss token."""
+    return torch.nonzero(loss_mask[1:].bool()).flatten()
+
+
+def state_bytes(width: int, dtype: str, model_itemsize: int = 2) -> float:
+    """Bytes of one token's state of ``width`` values at full width in ``dtype`` (fp8 adds its float32 scale)."""
+    if dtype == "fp8":
+        return width + 4
+    return width * (2 if dtype == "bf16" else model_itemsize)
+
+
+def bytes_per_token(
+    hidden_size: int, layout: Layout, store_dtype: str, *, loss_fraction: float = 1.0, model_itemsize: int = 2
+) -> float:
+    """Stored bytes a token of a ``layout`` / ``store_dtype`` sample, headers aside: the ids and mask, the final state
+    (or its top-k, or its share at loss positions: ``loss_fraction`` of the tokens), and the three aux states."""
+    if layout.final == "all":
+        final = state_bytes(hidden_size, store_dtype, model_itemsize)
+    elif layout.final == "loss":
+        final = loss_fraction * state_bytes(hidden_size, store_dtype, model_itemsize)
+    else:
+        final = 6 * layout.topk  # int32 id + float16 log-probability an entry
+    width = NUM_AUX * hidden_size
+    if layout.aux == "fp4":
+        aux = width / 2 + 2 * width / FP4_BLOCK  # 4-bit codes + one bfloat16 scale a block
+    else:
+        aux = state_bytes(width, store_dtype, model_itemsize)
+    return IDS_MASK_BYTES + final + aux
+
+
+def run_bytes_per_token(options: dict | None, hidden_size: int, loss_fraction: float) -> float:
+    """What a run of these recorded options stores a token (``model`` dtype counted as 2 bytes, a GPU server's)."""
+    options = options or {}
+    return bytes_per_token(hidden_size, Layout.from_options(options), options.get("store_dtype") or "model",
+                           loss_fraction=loss_fraction)  # fmt: skip

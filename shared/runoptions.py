@@ -1,0 +1,119 @@
+"""The options of a run: one shape from the request or the command line to the ingest that applies them.
+
+A plain dataclass. The gateway validates request bodies against it directly (pydantic reads the field
+constraints and the config below), the command line builds it from flags, and the run's record keeps it
+as JSON, which the ingest reads back.
+"""
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import Annotated, Literal, get_args
+
+from pydantic import Field
+
+from .layout import AuxStorage, FinalStorage, Layout
+
+Overlong = Literal["truncate", "reject"]
+StoreDtype = Literal["model", "bf16", "fp8"]
+Reasoning = Literal["think_tags", "drop"]
+MIN_MAX_TOKENS = 2
+DEFAULT_TOPK = 32
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenerateOptions:
+    """How a run regenerates its dataset's assistant turns with the target before ingest
+    (services/regenerate/)."""
+
+    __pydantic_config__ = {"extra": "forbid"}
+
+    endpoint: str | None = None
+    """Base URL of an OpenAI-compatible API (``.../v1``: SGLang, vLLM, a hosted API); None: the workers' own
+    inference server (``EAGLET_INFERENCE_URL`` + ``/v1``)."""
+    model: str = "default"
+    """The ``model`` field of each request (SGLang and the reference server ignore it)."""
+    api_key_env: str | None = None
+    """NAME of the environment variable that holds the endpoint's key, in the workers' environment; the key
+    itself is never stored or logged."""
+    temperature: Annotated[float, Field(ge=0)] = 0.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    max_tokens: Annotated[int, Field(ge=1)] = 1024
+    """Most new tokens of one answer."""
+    concurrency: Annotated[int, Field(ge=1, le=1024)] = 8
+    """Requests in flight per worker."""
+    batch_prompts: Annotated[int, Field(ge=1)] = 64
+    """Prompts per job: the unit a worker takes, and at most what a killed worker leaves to do again."""
+    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    max_tries: Annotated[int, Field(ge=1)] = 8
+    """Tries of one request on 429, 5xx, timeouts and lost connections, with backoff, before its prompt fails."""
+    reasoning: Reasoning = "think_tags"
+    """A reasoning model's reasoning (``reasoning_content``): ``think_tags`` keeps it in the answer as
+    ``<think>\n...\n</think>\n\n`` before the content, as such templates render a generated turn; ``drop``
+    keeps only the content."""
+    stop_after: bool = False
+    """Stop once the regenerated file is written (the run ends ``done``), instead of ingesting it."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: give a value in (0, 1]")
+        for name in ("max_tokens", "concurrency", "batch_prompts", "max_tries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        if self.reasoning not in get_args(Reasoning):
+            raise ValueError(f"reasoning={self.reasoning!r}: use 'think_tags' or 'drop'")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint={self.endpoint!r}: give an http:// or https:// URL")
+        if self.api_key_env is not None and not ENV_NAME.fullmatch(self.api_key_env):
+            # Not echoed: a key pasted here by mistake must not land in an error message or a log.
+            raise ValueError("api_key_env: give the NAME of an environment variable ([A-Za-z_][A-Za-z0-9_]*)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    # Read by pydantic only: a request body with a field this class lacks is refused, not silently ignored.
+    __pydantic_config__ = {"extra": "forbid"}
+
+    max_tokens: Annotated[int, Field(ge=MIN_MAX_TOKENS)] = 4096
+    """Longest sample kept; longer ones are truncated or rejected (``overlong``). Capped at the model's context."""
+    overlong: Overlong = "reject"
+    limit: Annotated[int, Field(ge=1)] | None = None
+    """Stop after this many samples (for trials)."""
+    regenerate: RegenerateOptions | None = None
+    """Regenerate the dataset's assistant turns with the target first; None: ingest the dataset as it is."""
+    store_dtype: StoreDtype | None = None
+    """How the run's hidden states are stored (shared/store.py); None: the ingesting process's
+    ``EAGLET_STORE_DTYPE``. Fixed in the run's record at ingest, so every worker, on any host, stores it the same."""
+    store_final: FinalStorage = "all"
+    """What is kept of the target's final state (shared/layout.py): ``all`` positions, only the ``loss``
+    positions, or the target's ``topk`` distribution instead. Fixed at ingest, as ``store_dtype``."""
+    store_topk: Annotated[int, Field(ge=0)] = 0
+    """Entries of the top-k distribution a token keeps (``store_final: topk``: 1 to 1024; 32 when left 0)."""
+    store_aux: AuxStorage = "full"
+    """The auxiliary states at ``full`` width (``store_dtype``) or block-scaled 4-bit (``fp4``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.regenerate, dict):  # read back from the run's record (JSON)
+            object.__setattr__(self, "regenerate", RegenerateOptions(**self.regenerate))
+        # The command line and a stored record build options without pydantic: the same limits, checked here.
+        if self.max_tokens < MIN_MAX_TOKENS:
+            raise ValueError(f"max_tokens={self.max_tokens}: must be at least {MIN_MAX_TOKENS}")
+        if self.overlong not in get_args(Overlong):
+            raise ValueError(f"overlong={self.overlong!r}: use 'truncate' or 'reject'")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit={self.limit}: must be at least 1")
+        if self.store_dtype is not None and self.store_dtype not in get_args(StoreDtype):
+            raise ValueError(f"store_dtype={self.store_dtype!r}: use one of {', '.join(get_args(StoreDtype))}")
+        if self.store_final == "topk" and self.store_topk == 0:
+            object.__setattr__(self, "store_topk", DEFAULT_TOPK)
+        self.layout()  # checks the three store_ fields together
+
+    def layout(self) -> Layout:
+        """The storage layout these options name."""
+        return Layout(final=self.store_final, topk=self.store_topk, aux=self.store_aux)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))

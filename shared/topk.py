@@ -1,0 +1,73 @@
+"""The target's top-k distribution, stored in place of its final state.
+
+What the trainer reads of the final state is the target's next-token distribution at loss positions. Its k most
+likely tokens carry almost all of it: ``topk_ids`` int32 [T, k] (target token ids, most likely first) and
+``topk_logp`` float16 [T, k] (their log-probabilities over the target's whole vocabulary), 6 bytes an entry where
+the final state costs 2 x hidden (Kimi-K2.5: 192 bytes at k = 32 against 14,336).
+
+Over the whole vocabulary, not the draft one: the draft vocabulary is chosen by the trainer from the run's own
+loss tokens after extraction (and a recipe may choose another size), so the stored distribution must not depend on
+it. The trainer maps the ids onto its draft vocabulary and treats the rest of the mass as one bucket
+(services/trainer/topk.py).
+
+The server computes it (it alone holds the LM head), with ``encode_topk``: plain torch, on its GPU or on the CPU.
+"""
+
+import torch
+
+from .tensorfile import row_blocks
+
+TOPK_TENSORS = ("topk_ids", "topk_logp")
+MAX_TOPK = 1024
+"""The most entries a token may keep: beyond, the final state itself is cheaper at small hidden sizes."""
+TOPK_PARAM = "eaglet_topk"
+"""The request's ``sampling_params.custom_params`` key asking for the top-k distribution in the dump; its value: k."""
+_LOGITS_BYTES = 256 << 20
+_LOGP_SLACK = 1e-2  # float16 rounding of a log-probability near 0
+
+
+class TopkError(ValueError):
+    """A top-k distribution that must not be stored: wrong shape or dtype, ids outside the vocabulary, not a
+    distribution."""
+
+
+def check_k(k: int, vocab_size: int | None = None) -> None:
+    """Raises ``TopkError`` unless ``k`` is a usable number of entries for a vocabulary of ``vocab_size``."""
+    top = MAX_TOPK if vocab_size is None else min(MAX_TOPK, vocab_size)
+    if not 1 <= k <= top:
+        raise TopkError(f"top-k k={k}: give 1 to {top}" + (f" (vocabulary of {vocab_size})" if vocab_size else ""))
+
+
+def encode_topk(final: torch.Tensor, lm_head: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """final [T, H] (after the final norm), lm_head [V, H] -> (int32 ids [T, k], float16 log-probs [T, k]) on
+    final's device. Rows in blocks: the logits of a long prompt (T x V floats) never exist whole."""
+    check_k(k, lm_head.shape[0])
+    ids = torch.empty(final.shape[0], k, dtype=torch.int32, device=final.device)
+    logp = torch.empty(final.shape[0], k, dtype=torch.float16, device=final.device)
+    per_row = 4 * lm_head.shape[0]
+    for rows in row_blocks(final, _LOGITS_BYTES // per_row * 4 * final.shape[1]):
+        logits = (final[rows] @ lm_head.T).float()  # [t, V]
+        values, top = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        ids[rows], logp[rows] = top.to(torch.int32), values.to(torch.float16)
+    return ids, logp
+
+
+def check_topk(ids: torch.Tensor, logp: torch.Tensor, *, rows: int, k: int, vocab_size: int, where: str) -> None:
+    """Raises ``TopkError`` naming ``where`` and the first bad token unless (ids, logp) is ``rows`` tokens' top-k
+    distribution over a vocabulary of ``vocab_size``: ids in range and distinct enough to be sorted by
+    probability, log-probabilities finite, at most 0, falling, and summing to at most 1 in probability."""
+    for name, t, dtype in (("topk_ids", ids, torch.int32), ("topk_logp", logp, torch.float16)):
+        if t.dtype != dtype or tuple(t.shape) != (rows, k):
+            raise TopkError(f"{where}: {name} is {t.dtype} {tuple(t.shape)}, expected {dtype} ({rows}, {k})")
+    for block in row_blocks(logp, 8 << 20):
+        i, p = ids[block], logp[block].float()
+        checks = (
+            ("an id outside the vocabulary", ((i < 0) | (i >= vocab_size)).any(-1)),
+            ("a log-probability that is not finite or above 0", ~(torch.isfinite(p) & (p <= _LOGP_SLACK)).all(-1)),
+            ("log-probabilities not in falling order", (p[:, 1:] > p[:, :-1]).any(-1)),
+            ("probabilities summing past 1", p.exp().sum(-1) > 1 + k * _LOGP_SLACK),
+        )
+        for what, bad in checks:
+            if bool(bad.any()):
+                token = block.start + int(bad.nonzero()[0, 0])
+                raise TopkError(f"{where}: top-k distribution has {what} (first at token {token})")
