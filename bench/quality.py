@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +62,8 @@ class Bench:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def start_bench(name: str) -> Bench:
+def start_bench(name: str, model: str = "smollm2") -> Bench:
+    """A bench whose services serve ``model`` (EAGLET_MODEL: a bundled model's name or a model directory)."""
     (ROOT / "var").mkdir(exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f"bench-{name}-", dir=ROOT / "var"))
     data_dir = folder / "data"
@@ -69,20 +72,30 @@ def start_bench(name: str) -> Bench:
     redis_url = redis_server.url
     port = free_port()
     settings = Settings(redis_url=redis_url, data_dir=data_dir, dump_dir=folder / "dump",
-                        inference_url=f"http://127.0.0.1:{port}")  # fmt: skip
+                        inference_url=f"http://127.0.0.1:{port}", model=model)  # fmt: skip
     env = {"EAGLET_REDIS_URL": redis_url, "EAGLET_DATA_DIR": str(data_dir), "EAGLET_DUMP_DIR": str(folder / "dump"),
-           "EAGLET_INFERENCE_URL": settings.inference_url}  # fmt: skip
+           "EAGLET_INFERENCE_URL": settings.inference_url, "EAGLET_MODEL": model}  # fmt: skip
     return Bench(folder, redis_server, port, settings, env)
 
 
-def extract_source(redis: Redis, bench: Bench, name: str, limit: int) -> dict:
-    """The first ``limit`` demo conversations extracted once, as run ``src``, by the reference server and two
-    workers; returns (and prints) the extraction's figures."""
+@contextmanager
+def serving(bench: Bench, name: str, *, ingest: bool = False) -> Iterator[LocalStack]:
+    """The reference server and two extractor workers on the bench's Redis, and with ``ingest`` an ingest worker
+    (for runs queued through the control queue: a regeneration, then its ingest); all stopped on exit."""
     with LocalStack(bench.folder / "logs", env=bench.env) as stack:
         stack.start("inference", "eaglet.services.inference.main", "--port", str(bench.port))
         stack.wait_http("inference", f"{bench.settings.inference_url}/health", timeout=300)
         for i in range(2):
             stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"{name}-worker-{i}")
+        if ingest:
+            stack.start("ingest", "eaglet.services.ingest.worker", "--name", f"{name}-ingest")
+        yield stack
+
+
+def extract_source(redis: Redis, bench: Bench, name: str, limit: int) -> dict:
+    """The first ``limit`` demo conversations extracted once, as run ``src``, by the reference server and two
+    workers; returns (and prints) the extraction's figures."""
+    with serving(bench, name):
         seconds, tokens, nbytes = pipeline_phase(redis, bench.settings, "src", limit)
     figures = {"seconds": round(seconds, 1), "tokens": tokens, "bytes": nbytes}
     print(json.dumps(figures), flush=True)
@@ -119,6 +132,16 @@ def derive_run(
     return nbytes
 
 
+def train_flags(*, epochs: int, lr: float, tokens_per_batch: int, eval_prompts: int,
+                eval_max_new_tokens: int = 64) -> list[str]:  # fmt: skip
+    """The trainer's flags sized for 2 CPU cores: TTT 3, a 4,096-token draft vocabulary, 512-token samples, and
+    an evaluation of k = 3 drafts on ``eval_prompts`` held-out prompts."""
+    return ["--ttt-steps", "3", "--draft-vocab-size", "4096", "--max-len", "512", "--loader-workers", "0",
+            "--checkpoint-every", "100000", "--epochs", str(epochs), "--lr", str(lr),
+            "--tokens-per-batch", str(tokens_per_batch), "--eval-k", "3",
+            "--eval-max-new-tokens", str(eval_max_new_tokens), "--eval-num-prompts", str(eval_prompts)]  # fmt: skip
+
+
 def train_and_eval(run: str, env: dict, flags: list[str], log_dir: Path) -> dict:
     """The trainer (with its evaluation) in its own process; wall seconds and peak RSS from wait4."""
     cmd = [sys.executable, "-m", "eaglet.services.trainer.main", "--run", run, *flags, "--eval-prompts", str(EVAL)]
@@ -145,10 +168,8 @@ def main() -> int:
     load_before = load()
     bench = start_bench("quality")
     folder, data_dir, env = bench.folder, bench.settings.data_dir, bench.env
-    flags = ["--ttt-steps", "3", "--draft-vocab-size", "4096", "--max-len", "512", "--loader-workers", "0",
-             "--checkpoint-every", "100000", "--epochs", str(args.epochs), "--lr", str(args.lr),
-             "--tokens-per-batch", str(args.tokens_per_batch), "--eval-k", "3", "--eval-max-new-tokens", "64",
-             "--eval-num-prompts", str(args.eval_prompts)]  # fmt: skip
+    flags = train_flags(epochs=args.epochs, lr=args.lr, tokens_per_batch=args.tokens_per_batch,
+                        eval_prompts=args.eval_prompts)  # fmt: skip
     figures: dict = {"conversations": args.limit, "train_flags": " ".join(flags), "runs": []}
     try:
         redis = Redis.from_url(bench.settings.redis_url, decode_responses=True)
