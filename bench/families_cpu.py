@@ -9,7 +9,7 @@ server. Then the trainer with bench/quality.py's CPU flags (the same epochs and 
 speculative evaluation on the held-out demo prompts (``data/demo/eval.jsonl``): k = 3 drafts a round, every output
 compared with plain greedy decoding.
 
-    python bench/families_cpu.py                                  # smollm2 and gemma3: ~40 min on 2 busy cores
+    python bench/families_cpu.py                                  # smollm2 and gemma3: ~45 min on 2 busy cores
     python bench/families_cpu.py --models gemma3 --prompts 16 --epochs 1 --eval-prompts 1   # a quick look
 """
 
