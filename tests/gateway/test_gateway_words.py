@@ -81,7 +81,9 @@ def runs(redis, tmp_path):
 
 @pytest.fixture
 def gateway(start_gateway):
-    return start_gateway(heartbeat_interval_s=5)  # the workers' and the GPUs' reports stay live through the test
+    # the workers' and the GPUs' reports stay live through the test, and a run is not called stalled while it runs
+    # (the gateway tests' 0.3 s floor is for the stall tests; a loaded machine takes longer than that between steps)
+    return start_gateway(heartbeat_interval_s=5, stall_min_s=60)
 
 
 def test_the_brief_line_has_every_field(runs, gateway):
