@@ -31,9 +31,10 @@ import torch
 from safetensors.torch import save_file
 
 from .ids import check_rid
+from .layout import TopkError, check_k
 from .store import FP8, FP8_STORAGE, STATE_TENSORS
 from .tensorfile import FileSlice, TensorFileError, map_tensors, read_header, row_blocks
-from .topk import TOPK_PARAM, TOPK_TENSORS, TopkError, check_k, check_topk
+from .topk import TOPK_PARAM, TOPK_TENSORS, check_topk
 
 SUFFIX = ".safetensors"
 FINITE_CHECK_BYTES = 8 << 20  # of float32: 4 MB of a bf16 dump a block

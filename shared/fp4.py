@@ -13,11 +13,9 @@ Every 4-bit code decodes to a finite number, so a block is corrupt only through 
 
 import torch
 
+from .layout import FP4_BLOCK
 from .tensorfile import row_blocks
 
-FP4_BLOCK = 32
-FP4_STORAGE = "e2m1_b32"
-"""The aux states' metadata value (``aux_storage``) of this encoding."""
 FP4_MAX = 6.0
 SCALE_DTYPE = torch.bfloat16
 _MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

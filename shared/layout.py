@@ -18,15 +18,29 @@ projection before the first sample is stored both come from it.
 from dataclasses import dataclass
 from typing import Literal, cast, get_args
 
-import torch
-
-from .fp4 import FP4_BLOCK, FP4_STORAGE
-from .topk import check_k
-
 FinalStorage = Literal["all", "loss", "topk"]
 AuxStorage = Literal["full", "fp4"]
 NUM_AUX = 3
 IDS_MASK_BYTES = 5  # int32 input id + uint8 loss mask a token
+FP4_BLOCK = 32
+"""Elements of a row sharing one scale in 4-bit storage (shared/fp4.py)."""
+FP4_STORAGE = "e2m1_b32"
+"""The aux states' metadata value (``aux_storage``) of 4-bit storage."""
+MAX_TOPK = 1024
+"""The most entries a token's top-k distribution may keep: beyond, the final state itself is cheaper at small hidden
+sizes."""
+
+
+class TopkError(ValueError):
+    """A top-k distribution that must not be stored: wrong shape or dtype, ids outside the vocabulary, not a
+    distribution."""
+
+
+def check_k(k: int, vocab_size: int | None = None) -> None:
+    """Raises ``TopkError`` unless ``k`` is a usable number of entries for a vocabulary of ``vocab_size``."""
+    top = MAX_TOPK if vocab_size is None else min(MAX_TOPK, vocab_size)
+    if not 1 <= k <= top:
+        raise TopkError(f"top-k k={k}: give 1 to {top}" + (f" (vocabulary of {vocab_size})" if vocab_size else ""))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,11 +93,6 @@ class Layout:
         """Short name of the layout, as tables and run names spell it: all, loss, top32, each with +fp4 aux."""
         final = f"top{self.topk}" if self.final == "topk" else self.final
         return final + ("+fp4" if self.aux == "fp4" else "")
-
-
-def loss_rows(loss_mask: torch.Tensor) -> torch.Tensor:
-    """The positions [N] (int64, rising) whose final state a ``loss`` layout keeps: those predicting a loss token."""
-    return torch.nonzero(loss_mask[1:].bool()).flatten()
 
 
 def state_bytes(width: int, dtype: str, model_itemsize: int = 2) -> float:

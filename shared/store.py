@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .fp4 import FP4_STORAGE, decode_fp4, encode_fp4
+from .fp4 import decode_fp4, encode_fp4
 from .ids import check_id, fanout
-from .layout import Layout, loss_rows
+from .layout import FP4_STORAGE, Layout
 from .tensorfile import FileSlice, TensorFileError, read_header, row_blocks, write_tensors
 from .topk import TOPK_TENSORS
 
@@ -44,6 +44,11 @@ FP8_STORAGE = "fp8_e4m3"
 FP8_BLOCK_BYTES = 1 << 20  # on the CPU: a block stays in cache
 FP8_DEVICE_BLOCK_BYTES = 256 << 20  # on a GPU: few kernel launches a forward (1 MiB blocks cost 17 % of 8B prefill)
 _FP8_INV_MAX = 1.0 / FP8_MAX
+
+
+def loss_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The positions [N] (int64, rising) whose final state a ``loss`` layout keeps: those predicting a loss token."""
+    return torch.nonzero(loss_mask[1:].bool()).flatten()
 
 
 class StoreError(OSError):

@@ -15,27 +15,14 @@ The server computes it (it alone holds the LM head), with ``encode_topk``: plain
 
 import torch
 
+from .layout import TopkError, check_k
 from .tensorfile import row_blocks
 
 TOPK_TENSORS = ("topk_ids", "topk_logp")
-MAX_TOPK = 1024
-"""The most entries a token may keep: beyond, the final state itself is cheaper at small hidden sizes."""
 TOPK_PARAM = "eaglet_topk"
 """The request's ``sampling_params.custom_params`` key asking for the top-k distribution in the dump; its value: k."""
 _LOGITS_BYTES = 256 << 20
 _LOGP_SLACK = 1e-2  # float16 rounding of a log-probability near 0
-
-
-class TopkError(ValueError):
-    """A top-k distribution that must not be stored: wrong shape or dtype, ids outside the vocabulary, not a
-    distribution."""
-
-
-def check_k(k: int, vocab_size: int | None = None) -> None:
-    """Raises ``TopkError`` unless ``k`` is a usable number of entries for a vocabulary of ``vocab_size``."""
-    top = MAX_TOPK if vocab_size is None else min(MAX_TOPK, vocab_size)
-    if not 1 <= k <= top:
-        raise TopkError(f"top-k k={k}: give 1 to {top}" + (f" (vocabulary of {vocab_size})" if vocab_size else ""))
 
 
 def encode_topk(final: torch.Tensor, lm_head: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,8 @@ every service, so they are not walked. The job functions the shared queue names 
 
 import ast
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,11 @@ def test_the_shared_core_imports_no_service():
 def test_every_queued_job_names_a_function(path):
     module, _, name = path.rpartition(".")
     assert callable(getattr(importlib.import_module(module), name))
+
+
+@pytest.mark.parametrize("module", ["eaglet.services.gateway.main", "eaglet.cli.status"])
+def test_status_readers_start_without_torch(module):
+    """The gateway and ``eaglet status`` only read Redis: importing torch would cost them seconds at every start (a
+    gateway replica, a status check) for nothing."""
+    check = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", check], cwd=ROOT).returncode == 0, f"{module} imports torch"

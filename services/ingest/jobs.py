@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 from eaglet.services.ingest.ingest import IngestResult, ingest_dataset
 from eaglet.shared.config import Settings
 from eaglet.shared.connections import connect
-from eaglet.shared.fp4 import FP4_BLOCK, Fp4Error
+from eaglet.shared.fp4 import Fp4Error
 from eaglet.shared.jobqueue import cancel, enqueue_samples
 from eaglet.shared.layers import default_layer_ids
-from eaglet.shared.layout import NUM_AUX
+from eaglet.shared.layout import FP4_BLOCK, NUM_AUX, check_k
 from eaglet.shared.records import ACTIVE_STAGES, RunMeta
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runs import create_run
@@ -27,7 +27,6 @@ from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet, SampleWriter
 from eaglet.shared.store import samples_dir
 from eaglet.shared.target import resolve_model_dir, text_config
-from eaglet.shared.topk import check_k
 
 log = logging.getLogger(__name__)
 ENQUEUE_BATCH = 1000

@@ -11,10 +11,11 @@ import torch
 from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.services.trainer.checkpoint import load_target_tensors
 from eaglet.shared.fp4 import encode_fp4
-from eaglet.shared.layout import Layout, loss_rows
+from eaglet.shared.layout import Layout
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import (
+    loss_rows,
     open_sample,
     read_metadata,
     sample_is_complete,

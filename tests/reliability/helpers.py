@@ -48,15 +48,41 @@ def env_of(settings: Settings, **extra: str) -> dict[str, str]:
     return {**env, "EAGLET_MAX_ATTEMPTS": str(settings.max_attempts), **extra}
 
 
-def wait_for(what: str, predicate: Callable[[], object], timeout: float, every: float = 0.1) -> object:
+def wait_for(
+    what: str,
+    predicate: Callable[[], object],
+    timeout: float,
+    every: float = 0.1,
+    explain: Callable[[], object] | None = None,
+) -> object:
+    """``predicate``'s first true value; on timeout an AssertionError with ``explain()``'s picture of the state."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+            picture = f"\n{json.dumps(explain(), indent=1, default=str)}" if explain else ""
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{picture}")
         time.sleep(every)
+
+
+def run_picture(redis: Redis, rq_redis: Redis, run_id: str) -> dict[str, object]:
+    """Where a run's unfinished samples are: counts, in flight, RQ's queue and registries, the reaper's notes and
+    the workers' heartbeats; what a stuck fault test prints."""
+    k, queue = RunKeys(run_id), run_queue(rq_redis, run_id)
+    return {
+        "meta": redis.hgetall(k.meta),
+        "counts": redis.hgetall(k.counts),
+        "in_flight": redis.hgetall(k.inflight),
+        "queued": queue.count,
+        "started": [e.decode() for e in rq_redis.zrange(queue.started_job_registry.key, 0, -1)],
+        "failed_jobs": [e.decode() for e in rq_redis.zrange(queue.failed_job_registry.key, 0, -1)],
+        "abandoned": sorted(redis.smembers(k.abandoned)),
+        "lost": redis.hgetall(k.lost),
+        "errors": redis.lrange(k.errors, 0, 9),
+        "workers": redis.hgetall(keys.WORKERS),
+    }
 
 
 class Events:

@@ -40,7 +40,7 @@ def gateway_process(redis_server, tmp_path):
     assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
     yield url
     proc.terminate()
-    proc.wait(10)
+    proc.wait(30)  # its two processes finish their requests first; on two busy cores that takes seconds
 
 
 def _up(url: str) -> bool:

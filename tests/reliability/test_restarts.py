@@ -1,5 +1,6 @@
 """The inference server and Redis killed and restarted mid-run: workers and gateway wait, reconnect, finish."""
 
+import functools
 import json
 import logging
 import signal
@@ -8,6 +9,7 @@ import time
 import httpx
 import pytest
 import torch
+from redis import Redis
 
 from eaglet.cli.stack import LocalStack
 from eaglet.services.inference.engine import ReferenceEngine
@@ -21,6 +23,7 @@ from tests.reliability.helpers import (
     env_of,
     free_port,
     gateway_settings,
+    run_picture,
     serve_gateway,
     wait_for,
     write_dataset,
@@ -101,7 +104,9 @@ def test_redis_killed_and_restarted_mid_run(redis, redis_server, settings, tmp_p
                 report = wait_for("/status", lambda: _status(status), 30)
                 [run] = [r for r in report["runs"] if r["run_id"] == run_id]
                 assert run["extraction"]["done"] >= before.done
-            wait_for("the run to complete", state.extraction_complete, 240)
+            rq_redis = Redis.from_url(redis_server.url)
+            picture = functools.partial(run_picture, redis, rq_redis, run_id)
+            wait_for("the run to complete", state.extraction_complete, 240, explain=picture)
             alive = {name: proc.poll() is None for name, proc in stack.procs.items()}
             report = wait_for("/status", lambda: _status(status), 30)
     finally:

@@ -7,18 +7,19 @@ import pytest
 import torch
 
 from eaglet.shared.dumpfile import Dump, DumpEncoding, DumpInvalid, validate_dump
-from eaglet.shared.fp4 import FP4_BLOCK, Fp4Error, check_fp4, decode_fp4, encode_fp4
-from eaglet.shared.layout import Layout, bytes_per_token, loss_rows
+from eaglet.shared.fp4 import Fp4Error, check_fp4, decode_fp4, encode_fp4
+from eaglet.shared.layout import FP4_BLOCK, Layout, TopkError, bytes_per_token, check_k
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.store import (
     decode_states,
     encode_states,
+    loss_rows,
     open_sample,
     read_metadata,
     sample_is_complete,
     write_sample,
 )
-from eaglet.shared.topk import TopkError, check_k, check_topk, encode_topk
+from eaglet.shared.topk import check_topk, encode_topk
 
 H, V, T = 64, 300, 12
 
