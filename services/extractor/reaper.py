@@ -11,10 +11,12 @@ owns the job: it clears the sample's in-flight entry and its partial file, then 
 the sample's worker has died ``max_lost`` times, in which case the sample is recorded as failed.
 
 A worker that listens to several queues takes a job with LPOP, and puts it in the started registry only
-a moment later: killed in between, the job is in no queue and no registry, and RQ never sees it again.
-Those are found when a run has nothing queued, started or in flight for ``lost_after_s`` yet samples
-without an outcome: the done and failed bitmaps are read once (total/8 bytes) and the missing samples
-queued again.
+a moment later: killed in between, the job is in no queue and no registry, and RQ never sees it again. A sweep
+cut short by a Redis outage after its ZREM leaves the same, with the sample still recorded in flight. Those are
+found when a run has nothing queued or started for ``lost_after_s`` yet samples without an outcome: the done
+and failed bitmaps are read once (total/8 bytes) and the missing samples queued again. In-flight records do
+not hold that back: a running job is in the started registry for as long as its sample is in flight, so with
+nothing started they are stale.
 
 Regeneration batches (services/regenerate/) run on the same queues: one whose worker died is queued
 again the same way; the prompts it finished are kept in its result file and not asked again.
@@ -84,12 +86,11 @@ class Reaper:
         total = meta.total
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(k.counts)
-        pipe.hlen(k.inflight)
         pipe.scard(k.abandoned)
-        raw_counts, in_flight, abandoned = pipe.execute()
+        raw_counts, abandoned = pipe.execute()
         counts = ExtractionCounts.from_redis(raw_counts)
         busy = run_queue(self.rq_redis, run_id).count or self.rq_redis.zcard(registry.key)
-        if total is None or counts.done + counts.failed >= total or busy or in_flight or abandoned:
+        if total is None or counts.done + counts.failed >= total or busy or abandoned:
             self._idle_since.pop(run_id, None)
             return []
         since = self._idle_since.setdefault(run_id, time.monotonic())
