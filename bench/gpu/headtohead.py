@@ -642,7 +642,7 @@ def ablations() -> dict[str, str]:
 
 DEFAULT_ABLATIONS = (
     "base=;lk=--loss lk-lambda;normfc=--norm-before-fc;noise=--aux-noise 0.05;lr3=--lr 3e-4;muon=--optimizer muon;"
-    "fp8=;combo=--lr 3e-4 --loss lk-lambda --aux-noise 0.05"
+    "fp8=;combo=--lr 3e-4 --loss lk-lambda --aux-noise 0.05;posmask=--loss-mask-align position"
 )
 ABLATED = "h2h-ablations"  # one record for every recipe, kept apart from the phases' own (never reset)
 # The recipes train together on the one GPU (a 135M target's drafter leaves it mostly idle), checkpointing every

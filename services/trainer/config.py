@@ -9,6 +9,7 @@ from eaglet.services.trainer.optimizer import Optimizer
 Attention = Literal["auto", "math", "flex"]
 OovMask = Literal["auto", "on", "off"]
 Loss = Literal["kl", "lk-alpha", "lk-lambda"]
+LossMaskAlign = Literal["predicted", "position"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -25,6 +26,14 @@ class TrainConfig:
     acceptance sum_v min(p_v, q_v) (p: the target's probabilities over its whole vocabulary, on the draft
     vocabulary's tokens; q: the drafter's) | lk-lambda: w KL + (1 - w) (1 - acceptance), w = lk_kl_scale *
     exp(-lk_kl_decay * acceptance): SpecForge's acceptance-aware LK losses, per step, then weighted as above."""
+    loss_mask_align: LossMaskAlign = "predicted"
+    """Which loss-mask entry makes TTT step i at position t a loss position (the step reads token t + 1 + i and
+    learns the target's distribution at t + 1 + i, that of token t + 2 + i) | predicted: mask[t + 2 + i], the
+    predicted token's own: at every step exactly the answer tokens are predicted | position: mask[t + i], the mask
+    moved on with the step as SpecForge moves it, where the target's distribution at t + 1 + i is in the sample: at
+    every step the tokens predicted are those two after an answer token, so an answer's first two tokens are never
+    predicted and the two after it are (the next turn's first tokens; after a sample's last answer, the target's
+    distribution past its last token)."""
     lk_kl_scale: float = 1.0
     """lk-lambda's weight of the KL term at zero acceptance."""
     lk_kl_decay: float = 1.0
@@ -124,7 +133,8 @@ class TrainConfig:
                 f"TrainConfig.loader_workers must be 0 (read in the loop) or more, got {self.loader_workers}"
             )
         for name, choices in (
-            ("attention", Attention), ("oov_mask", OovMask), ("loss", Loss), ("optimizer", Optimizer)
+            ("attention", Attention), ("oov_mask", OovMask), ("loss", Loss), ("loss_mask_align", LossMaskAlign),
+            ("optimizer", Optimizer),
         ):  # fmt: skip
             if getattr(self, name) not in get_args(choices):
                 raise ValueError(

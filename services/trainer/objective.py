@@ -104,10 +104,10 @@ class TTTObjective(nn.Module):
         (``loss_rows``, ``loss_row_counts``); without them they are worked out here from ``loss_mask``."""
         steps = self.cfg.ttt_steps
         if loss_rows is None:
-            loss_rows, loss_row_counts = data.ttt_rows(loss_mask.cpu(), None if document_ids is None else
-                                                       document_ids.cpu(), steps)  # fmt: skip
+            documents = None if document_ids is None else document_ids.cpu()
+            loss_rows, loss_row_counts = data.ttt_rows(loss_mask.cpu(), documents, steps, self.cfg.loss_mask_align)
             loss_rows = loss_rows.to(input_ids.device)
-        rows = loss_rows.split(list(loss_row_counts))  # step i: flat positions t whose token t + 2 + i is a loss token
+        rows = loss_rows.split(list(loss_row_counts))  # step i: the flat positions t it is trained at
         # every target position a step predicts from is one step 0 does (t + 1 + i is step 0's row t + i + 1)
         first = rows[0] + 1
         targets = [torch.searchsorted(first, r + 1 + i) for i, r in enumerate(rows)]
@@ -201,7 +201,8 @@ def heldout_figures(
     was_training = objective.training
     objective.eval()
     sums = torch.zeros(objective.cfg.ttt_steps + 2, device=device)  # loss, accuracy per step, batches
-    batch_set = data.BatchSet(batches, data_dir, run_id, states_dtype(device), max_len, objective.cfg.ttt_steps)
+    batch_set = data.BatchSet(batches, data_dir, run_id, states_dtype(device), max_len, objective.cfg.ttt_steps,
+                              objective.cfg.loss_mask_align)  # fmt: skip
     for b in data.on_device(batch_set, device):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, _, acc = objective(*objective_inputs(b))

@@ -292,7 +292,8 @@ def announce(s: Session, per_epoch: int) -> None:
 def train_epoch(s: Session) -> None:
     """The rest of the current epoch, or of the training if it ends first; a checkpoint every ``checkpoint_every``."""
     batches = epoch_batches(s.train_items, s.cfg, s.env, s.epoch)
-    batch_set = data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len, s.cfg.ttt_steps)
+    batch_set = data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len, s.cfg.ttt_steps,
+                              s.cfg.loss_mask_align)  # fmt: skip
     cuda = s.env.device.type == "cuda"
     for batch in data.on_device(data.loader(batch_set, s.batch, s.cfg.loader_workers, pin=cuda), s.env.device):
         if s.step >= s.total:
