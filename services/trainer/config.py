@@ -100,6 +100,15 @@ class TrainConfig:
     aux_noise: float = 0.0
     """Uniform noise in [-a, a] added to the auxiliary states while training (never to held-out figures): the
     drafter meets the engine's states, computed in other batches, not the stored ones. speculators uses 0.05."""
+    onpolicy_from: str = ""
+    """An on-policy round (the trainer's onpolicy.py): the previous round's drafter folder (SGLang's format: a run's
+    drafter/, or another trainer's), which the training starts from, weights and draft vocabulary, weighting by
+    onpolicy_weight each loss position where that drafter's greedy draft chain, replayed frozen on the stored
+    states, is first rejected (its draft is not the sample's next token: decoding's own rejection on text the target
+    wrote greedily, as ``eaglet regenerate`` writes it). Empty: a fresh drafter, no weights."""
+    onpolicy_weight: float = 2.0
+    """An on-policy round's loss weight at the positions where the previous round's chains are first rejected (1
+    elsewhere; accuracy and held-out figures unweighted)."""
     oov_mask: OovMask = "auto"
     """on | off | auto (on on GPU): drop positions whose target top token (over the full vocabulary) is not in the
     draft vocabulary. Costs a full-vocabulary projection per token; off on CPU for speed."""
@@ -126,6 +135,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.loss_chunk must be 0 (never chunked) or more, got {self.loss_chunk}")
         if self.memory_gib < 0:
             raise ValueError(f"TrainConfig.memory_gib must be 0 (the device's) or more, got {self.memory_gib}")
+        if self.onpolicy_weight <= 0:
+            raise ValueError(f"TrainConfig.onpolicy_weight must be above 0, got {self.onpolicy_weight}")
         if self.aux_noise < 0:
             raise ValueError(f"TrainConfig.aux_noise must be 0 (off) or more, got {self.aux_noise}")
         if self.loader_workers < 0:
