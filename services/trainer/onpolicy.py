@@ -13,7 +13,7 @@ loss position 1. Each step's loss is the weighted mean over its positions, so th
 the positions whose chains it accepts, or that decoding never reaches (rejected at an earlier step), to those where
 it rejects them; a step rejected everywhere or nowhere is trained as before. The accuracy figures and the held-out
 figures stay unweighted. The replay costs one more forward pass of the drafter a step, without autograd; the memory
-rule does not count the previous drafter's weights (4 bytes a parameter beside the training's 18).
+rule counts the previous drafter's weights (4 bytes a parameter beside the training's 18).
 
 What it is: on-policy in which positions count, off-policy in what is learned (the target's distribution at the
 stored states, as every round). It is the rejection of decoding the sample itself, so it is the decoding's own
