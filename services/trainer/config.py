@@ -33,7 +33,8 @@ class TrainConfig:
     moved on with the step as SpecForge moves it, where the target's distribution at t + 1 + i is in the sample: at
     every step the tokens predicted are those two after an answer token, so an answer's first two tokens are never
     predicted and the two after it are (the next turn's first tokens; after a sample's last answer, the target's
-    distribution past its last token)."""
+    distribution past its last token). The training's held-out figures follow the rule; ``eaglet score`` counts by
+    the default one, the same for every drafter it compares."""
     lk_kl_scale: float = 1.0
     """lk-lambda's weight of the KL term at zero acceptance."""
     lk_kl_decay: float = 1.0
