@@ -288,6 +288,12 @@ def resume(s: Session, saved: dict) -> None:
     if was != s.cfg.optimizer:
         raise ValueError(f"run {s.run_id}: its checkpoint was trained with --optimizer {was}, resumed with another "
                          f"--optimizer ({s.cfg.optimizer}): resume with {was}, or train into a new folder")  # fmt: skip
+    was_from, now_from = saved.get("train_config", {}).get("onpolicy_from", ""), s.cfg.onpolicy_from
+    if was_from != now_from:  # a round would otherwise resume the training it should start from, or the reverse
+        was, now = (f"an on-policy round from {f}" if f else "a fresh drafter's training" for f in (was_from, now_from))
+        raise ValueError(f"run {s.run_id}: its checkpoints in {s.folder} are of {was}, resumed as {now}: train it "
+                         "into a folder of its own (train(out_dir=...), ablate.py --out) or resume with the same "
+                         "--onpolicy-from")  # fmt: skip
     s.objective.drafter.load_state_dict(saved["model"])
     s.opt.load_state_dict(saved["optimizer"])
     s.sched.load_state_dict(saved["scheduler"])

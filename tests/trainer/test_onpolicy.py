@@ -14,7 +14,7 @@ from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.distributed import Dist
 from eaglet.services.trainer.model import Drafter, DrafterConfig, KVCache
 from eaglet.services.trainer.onpolicy import ChainReplay, OnPolicyError
-from eaglet.services.trainer.speculative import greedy_generate
+from eaglet.services.trainer.speculative import aux_states, greedy_generate, speculative_generate
 from eaglet.services.trainer.train import epoch_batches, make_objective, start, train
 from eaglet.shared.store import drafter_dir
 from tests.trainer.fixtures import make_run, token_sequences
@@ -164,16 +164,52 @@ def test_a_round_starts_from_the_previous_drafter_and_trains(redis, tmp_path, ti
     assert first[4.0] != pytest.approx(first[1.0], rel=1e-4)  # the same start and batch: only the weights differ
 
 
+@torch.no_grad()
+def replayed_and_accepted(model_dir, folder) -> list[tuple[int, int]]:
+    """For each round of speculative decoding (``speculative_generate``, the drafter in ``folder``, chains of STEPS)
+    of a few prompts whose drafts all lie within the decoded text: (the replay's first miss at the round's position,
+    on the target's states of the decoded text; the drafts the round accepted)."""
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers = ckpt.declared_layers(folder)
+    drafter = ckpt.load_drafter(folder, target.get_input_embeddings().weight.detach().float()).eval()
+    replay = ChainReplay(drafter, 2.0, "math", chunk=0)
+    pairs = []
+    for prompt in token_sequences(6, 6, seed=5):  # the training texts' prompts: chains it has learned, in part
+        out, stats = speculative_generate(target, drafter, torch.tensor([prompt]), 40, STEPS, layers, eos=set())
+        text = torch.tensor([prompt + out])
+        first = replay.first_misses(text, aux_states(target(text, output_hidden_states=True).hidden_states, layers),
+                                    STEPS)  # fmt: skip
+        t = len(prompt) - 1  # a round drafts from the drafter's last cached position: the chain from t
+        for accepted in stats.accepted:
+            if t + 2 + STEPS < text.shape[1]:
+                pairs.append((int(first[t]), accepted))
+            t += 1 + accepted
+    return pairs
+
+
+def test_on_the_targets_greedy_text_the_replay_is_what_speculative_decoding_accepted(redis, tmp_path, tiny_model_dir):
+    make_run(redis, tmp_path, tiny_model_dir, "od", n=12, texts=greedy_texts(tiny_model_dir, 12))
+    train(redis=redis, run_id="od", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(max_steps=2), env=Dist())
+    pairs = replayed_and_accepted(tiny_model_dir, drafter_dir(tmp_path, "od"))
+    assert len(pairs) > 20 and [replayed for replayed, _ in pairs] == [accepted for _, accepted in pairs]
+    assert len({a for _, a in pairs}) > 1  # rounds that accepted few drafts and rounds that accepted more
+
+
 def test_a_previous_drafter_that_does_not_fit_is_refused(redis, tmp_path, tiny_model_dir):
     make_run(redis, tmp_path, tiny_model_dir, "ob", n=12)
     with pytest.raises(OnPolicyError, match="--onpolicy-from: .*no such drafter folder"):
         start(None, "ob", tmp_path, tiny_model_dir, small(onpolicy_from=str(tmp_path / "nothing")), Dist())
     train(redis=redis, run_id="ob", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(max_steps=1), env=Dist())
     folder = drafter_dir(tmp_path, "ob")
-    config = json.loads((folder / "config.json").read_text())
+    written = (folder / "config.json").read_text()
+    config = json.loads(written)
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(OnPolicyError, match=r"reads the states of layers \[1, 2, 3\] but the run stored"):
         start(None, "ob", tmp_path, tiny_model_dir, small(onpolicy_from=str(folder)), Dist(), tmp_path / "r")
+    (folder / "config.json").write_text(written)
+    # the run's own checkpoints are of its first training: a round there would resume that one instead
+    with pytest.raises(ValueError, match="are of a fresh drafter's training, resumed as an on-policy round from"):
+        start(None, "ob", tmp_path, tiny_model_dir, small(onpolicy_from=str(folder)), Dist())
     with pytest.raises(ValueError, match="onpolicy_weight"):
         TrainConfig(onpolicy_weight=0)
