@@ -634,15 +634,17 @@ def phase_eval() -> None:
 
 def ablations() -> dict[str, str]:
     """H2H_ABLATIONS: ``name=trainer flags`` separated by ``;`` (``base``: the default recipe, trained beside the
-    others; ``fp8``: the default recipe on the conversations extracted again with fp8 storage). Each is one change
-    from eaglet's default recipe but ``combo``, the promising ones together."""
+    others; ``fp8``: the default recipe on the conversations extracted again with fp8 storage; a flag ``@name``:
+    recipe name's drafter folder, so ``onpolicy`` is an on-policy round from ``base``'s drafter, trained once base
+    is). Each is one change from eaglet's default recipe but ``combo``, the promising ones together."""
     spec = os.environ.get("H2H_ABLATIONS", DEFAULT_ABLATIONS)
     return {n.strip(): f.strip() for n, _, f in (item.partition("=") for item in spec.split(";") if item.strip())}
 
 
 DEFAULT_ABLATIONS = (
     "base=;lk=--loss lk-lambda;normfc=--norm-before-fc;noise=--aux-noise 0.05;lr3=--lr 3e-4;muon=--optimizer muon;"
-    "fp8=;combo=--lr 3e-4 --loss lk-lambda --aux-noise 0.05"
+    "fp8=;combo=--lr 3e-4 --loss lk-lambda --aux-noise 0.05;posmask=--loss-mask-align position;"
+    "onpolicy=--onpolicy-from @base --epochs 1;onpolicy-w1=--onpolicy-from @base --epochs 1 --onpolicy-weight 1"
 )
 ABLATED = "h2h-ablations"  # one record for every recipe, kept apart from the phases' own (never reset)
 # The recipes train together on the one GPU (a 135M target's drafter leaves it mostly idle), checkpointing every
@@ -728,6 +730,22 @@ def recipe_run(name: str) -> tuple[str | None, str | None]:
     return (R["run_id"], None) if R.get("done") else (None, "no extraction (phase h2h-extract)")
 
 
+def drafter_flags(flags: str, recipes: dict) -> tuple[list[str], str | None]:
+    """A recipe's trainer flags with each ``@name`` as recipe name's drafter folder, or why it cannot train yet
+    (that recipe is not trained to its end). ValueError for a name that is no recipe."""
+    out = []
+    for flag in flags.split():
+        if flag.startswith("@"):
+            name = flag[1:]
+            if name not in ablations():
+                raise ValueError(f"H2H_ABLATIONS: {flags!r} names {flag}, which is no recipe of H2H_ABLATIONS")
+            if recipes.get(name, {}).get("train", {}).get("rc") != 0:
+                return [], f"starts from recipe {name}'s drafter: trained once {name} is"
+            flag = recipes[name]["drafter_dir"]
+        out.append(flag)
+    return out, None
+
+
 def phase_ablate_train() -> None:
     """Every recipe not trained yet, together on the GPU (up to ABLATE_PARALLEL): eaglet's trainer, the default
     recipe with one change, on the same stored run, each into its own folder (the run's drafter untouched). A recipe
@@ -744,10 +762,14 @@ def phase_ablate_train() -> None:
         if missing:
             rec["train"] = {"error": missing}
             continue
+        trainer_flags, waiting = drafter_flags(flags, A)
+        if waiting:  # not an error: trained in a later call
+            rec["train"] = {"waiting": waiting}
+            continue
         out = H2H / "recipes" / name
         argv = [sys.executable, "bench/gpu/ablate.py", "--run", run_id, "--out", str(out), "--model", str(SMOL),
                 "--epochs", str(EPOCHS), "--checkpoint-every", str(ABLATE_CHECKPOINT_EVERY),
-                *flags.split()]  # fmt: skip
+                *trainer_flags]  # fmt: skip
         rec["drafter_dir"] = str(out / "drafter")
         jobs.append((rec, {}, f"h2h-recipe-{name}", argv))  # (recipe, this call's trainer record, process, argv)
     jobs = jobs[:ABLATE_PARALLEL]

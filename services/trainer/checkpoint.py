@@ -212,6 +212,18 @@ def load_drafter(drafter_dir: Path, embed: torch.Tensor) -> Drafter:
     return model
 
 
+def declared_layers(drafter_dir: Path) -> list[int] | None:
+    """The layers a drafter folder's config.json says the drafter reads, numbered as the store numbers them (the
+    input of layer i): SGLang's ``eagle_config`` ids plus one (SGLang adds one to each), else vLLM's top-level ids;
+    None where it says neither (another trainer's folder may not)."""
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    sglang = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if sglang is not None:
+        return [int(i) + 1 for i in sglang]
+    vllm = config.get("eagle_aux_hidden_state_layer_ids")
+    return None if vllm is None else [int(i) for i in vllm]
+
+
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # SGLang's name, vLLM's
 IGNORED_TENSORS = ("embed_tokens.weight",)
 """Tensors a drafter folder may hold that the model has no place for. ``embed_tokens.weight``: the drafter embeds

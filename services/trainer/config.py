@@ -9,6 +9,7 @@ from eaglet.services.trainer.optimizer import Optimizer
 Attention = Literal["auto", "math", "flex"]
 OovMask = Literal["auto", "on", "off"]
 Loss = Literal["kl", "lk-alpha", "lk-lambda"]
+LossMaskAlign = Literal["predicted", "position"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -25,6 +26,15 @@ class TrainConfig:
     acceptance sum_v min(p_v, q_v) (p: the target's probabilities over its whole vocabulary, on the draft
     vocabulary's tokens; q: the drafter's) | lk-lambda: w KL + (1 - w) (1 - acceptance), w = lk_kl_scale *
     exp(-lk_kl_decay * acceptance): SpecForge's acceptance-aware LK losses, per step, then weighted as above."""
+    loss_mask_align: LossMaskAlign = "predicted"
+    """Which loss-mask entry makes TTT step i at position t a loss position (the step reads token t + 1 + i and
+    learns the target's distribution at t + 1 + i, that of token t + 2 + i) | predicted: mask[t + 2 + i], the
+    predicted token's own: at every step exactly the answer tokens are predicted | position: mask[t + i], the mask
+    moved on with the step as SpecForge moves it, where the target's distribution at t + 1 + i is in the sample: at
+    every step the tokens predicted are those two after an answer token, so an answer's first two tokens are never
+    predicted and the two after it are (the next turn's first tokens; after a sample's last answer, the target's
+    distribution past its last token). The training's held-out figures follow the rule; ``eaglet score`` counts by
+    the default one, the same for every drafter it compares."""
     lk_kl_scale: float = 1.0
     """lk-lambda's weight of the KL term at zero acceptance."""
     lk_kl_decay: float = 1.0
@@ -91,6 +101,15 @@ class TrainConfig:
     aux_noise: float = 0.0
     """Uniform noise in [-a, a] added to the auxiliary states while training (never to held-out figures): the
     drafter meets the engine's states, computed in other batches, not the stored ones. speculators uses 0.05."""
+    onpolicy_from: str = ""
+    """An on-policy round (the trainer's onpolicy.py): the previous round's drafter folder (SGLang's format: a run's
+    drafter/, or another trainer's), which the training starts from, weights and draft vocabulary, weighting by
+    onpolicy_weight each loss position where that drafter's greedy draft chain, replayed frozen on the stored
+    states, is first rejected (its draft is not the sample's next token: decoding's own rejection on text the target
+    wrote greedily, as ``eaglet regenerate`` writes it). Empty: a fresh drafter, no weights."""
+    onpolicy_weight: float = 2.0
+    """An on-policy round's loss weight at the positions where the previous round's chains are first rejected (1
+    elsewhere; accuracy and held-out figures unweighted)."""
     oov_mask: OovMask = "auto"
     """on | off | auto (on on GPU): drop positions whose target top token (over the full vocabulary) is not in the
     draft vocabulary. Costs a full-vocabulary projection per token; off on CPU for speed."""
@@ -117,6 +136,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.loss_chunk must be 0 (never chunked) or more, got {self.loss_chunk}")
         if self.memory_gib < 0:
             raise ValueError(f"TrainConfig.memory_gib must be 0 (the device's) or more, got {self.memory_gib}")
+        if self.onpolicy_weight <= 0:
+            raise ValueError(f"TrainConfig.onpolicy_weight must be above 0, got {self.onpolicy_weight}")
         if self.aux_noise < 0:
             raise ValueError(f"TrainConfig.aux_noise must be 0 (off) or more, got {self.aux_noise}")
         if self.loader_workers < 0:
@@ -124,7 +145,8 @@ class TrainConfig:
                 f"TrainConfig.loader_workers must be 0 (read in the loop) or more, got {self.loader_workers}"
             )
         for name, choices in (
-            ("attention", Attention), ("oov_mask", OovMask), ("loss", Loss), ("optimizer", Optimizer)
+            ("attention", Attention), ("oov_mask", OovMask), ("loss", Loss), ("loss_mask_align", LossMaskAlign),
+            ("optimizer", Optimizer),
         ):  # fmt: skip
             if getattr(self, name) not in get_args(choices):
                 raise ValueError(

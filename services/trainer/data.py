@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from eaglet.services.trainer.config import LossMaskAlign
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import decode_states, open_sample, read_metadata, sample_path
 
@@ -107,9 +108,9 @@ class BatchSet(Dataset):
     """Batches as dataset items, so a DataLoader's workers read and pack the next ones ahead of the step."""
 
     def __init__(self, batches: list[list[Item]], data_dir: Path, run_id: str, dtype: torch.dtype, max_len: int,
-                 steps: int):  # fmt: skip
+                 steps: int, align: LossMaskAlign = "predicted"):  # fmt: skip
         self.batches, self.data_dir, self.run_id, self.dtype = batches, data_dir, run_id, dtype
-        self.max_len, self.steps = max_len, steps
+        self.max_len, self.steps, self.align = max_len, steps, align
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -118,13 +119,16 @@ class BatchSet(Dataset):
         samples = [
             load_sample(sample_path(self.data_dir, self.run_id, it.sample_id), self.dtype) for it in self.batches[i]
         ]
-        return collate(samples, self.max_len, self.steps)
+        return collate(samples, self.max_len, self.steps, self.align)
 
 
-def collate(samples: list[dict[str, torch.Tensor]], max_len: int, steps: int) -> Batch:
+def collate(
+    samples: list[dict[str, torch.Tensor]], max_len: int, steps: int, align: LossMaskAlign = "predicted"
+) -> Batch:
     """The samples, each cut to ``max_len``, packed end to end into one row [1, L] (L their total length): no
     padding to compute. Each token's position in its sample (``position_ids``) and its sample's index
-    (``document_ids``) go with it, and the rows of each of the ``steps`` TTT steps' loss (``ttt_rows``), worked
+    (``document_ids``) go with it, and the rows of each of the ``steps`` TTT steps' loss (``ttt_rows`` by
+    ``align``), worked
     out here on the host so the training step never waits on the GPU to find them. One run's samples share a
     layout: all hold ``hidden_states``, or all ``topk_ids`` and ``topk_logp``."""
     cut = [{k: v[:max_len] for k, v in s.items()} for s in samples]
@@ -134,23 +138,33 @@ def collate(samples: list[dict[str, torch.Tensor]], max_len: int, steps: int) ->
     out["position_ids"] = (torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths))[None]
     out["document_ids"] = torch.arange(len(cut), dtype=torch.int32).repeat_interleave(lengths)[None]
     out["tokens"] = lengths.sum()
-    out["loss_rows"], out["loss_row_counts"] = ttt_rows(out["loss_mask"], out["document_ids"], steps)
+    out["loss_rows"], out["loss_row_counts"] = ttt_rows(out["loss_mask"], out["document_ids"], steps, align)
     return out
 
 
-def ttt_rows(loss_mask: torch.Tensor, documents: torch.Tensor | None, steps: int) -> tuple[torch.Tensor, tuple]:
-    """The positions of each TTT step's loss: step i at position t predicts token t + 2 + i, so its rows are the
-    t with a loss token at t + 2 + i of the same document. ``loss_mask`` [B, T], ``documents`` [B, T] or None (one
-    a row). Returns (the rows of every step, each step's rising, as flat indexes b * T + t [sum of counts]; each
-    step's count)."""
+MASK_ALIGN: dict[str, tuple[int, int]] = {"predicted": (2, 2), "position": (0, 1)}
+"""Per ``loss_mask_align``, at step 0: (the offset of the mask entry that decides position t, the offset of the
+furthest row the position needs in its document: the predicted token, or the target's distribution before it)."""
+
+
+def ttt_rows(
+    loss_mask: torch.Tensor, documents: torch.Tensor | None, steps: int, align: LossMaskAlign = "predicted"
+) -> tuple[torch.Tensor, tuple]:
+    """The positions of each TTT step's loss: step i at position t reads token t + 1 + i and learns the target's
+    distribution at t + 1 + i (that of token t + 2 + i). Its rows are the t whose loss-mask entry by ``align``
+    (``TrainConfig.loss_mask_align``) is set and whose furthest row it needs is in t's document: ``predicted``,
+    mask[t + 2 + i], the predicted token in the document; ``position``, mask[t + i], the target's distribution at
+    t + 1 + i in the document. ``loss_mask`` [B, T], ``documents`` [B, T] or None (one a row). Returns (the rows
+    of every step, each step's rising, as flat indexes b * T + t [sum of counts]; each step's count)."""
     B, T = loss_mask.shape
     flat = torch.arange(B * T).view(B, T)
+    masked, reach = MASK_ALIGN[align]
     rows = []
     for i in range(steps):
-        n = max(T - 2 - i, 0)
-        keep = loss_mask[:, 2 + i :].bool()
+        n = max(T - reach - i, 0)
+        keep = loss_mask[:, masked + i : masked + i + n].bool()
         if documents is not None:
-            keep = keep & (documents[:, :n] == documents[:, 2 + i :])
+            keep = keep & (documents[:, :n] == documents[:, reach + i : reach + i + n])
         rows.append(flat[:, :n][keep])
     return torch.cat(rows), tuple(len(r) for r in rows)
 

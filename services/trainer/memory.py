@@ -134,6 +134,8 @@ def estimate(shape: "DrafterConfig", T: int, cfg: "TrainConfig", world: int = 1)
                   computed: min(R, C) 18 Vd (forward), min(R, C) 24 Vd (backward, recomputed)
     gradients     4P                    at the end of the forward pass the previous step's, not yet cleared
     ddp           4P                    DDP's gradient buckets, with ``world`` > 1 processes
+    previous      4P + 8 T              an on-policy round's previous drafter, frozen, and its chains' first
+                                        misses (its replay runs before the step's forward, without autograd)
     with ``checkpoint_steps`` the backward pass also holds the gradients, one step recomputed (T A) and its
     MLP's gradients (T (6 I + 4 H)), the loss chunks done by then.
 
@@ -152,7 +154,7 @@ def estimate(shape: "DrafterConfig", T: int, cfg: "TrainConfig", world: int = 1)
         "batches": 2 * T * (2 * (shape.num_aux_hidden_states * shape.target_hidden_size + H) + 8 * S + 21),
         "target_view": T * (2 * Vd + 17), "kept": T * (6 * H + S * (2 * H + 4 * kv * d)),
         "steps": 0 if cfg.checkpoint_steps else S * T * A, "loss": 0 if chunked else S * R * 8 * Vd,
-        "ddp": 4 * P if world > 1 else 0,
+        "ddp": 4 * P if world > 1 else 0, "previous": 4 * P + 8 * T if cfg.onpolicy_from else 0,
     }  # fmt: skip
     forward_end = {**held, "gradients": 4 * P, "loss_chunk": chunk * 18 * Vd}
     if cfg.checkpoint_steps:

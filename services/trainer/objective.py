@@ -10,6 +10,7 @@ from torch import nn
 from eaglet.services.trainer import data
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.model import Drafter, wide
+from eaglet.services.trainer.onpolicy import ChainReplay
 from eaglet.services.trainer.topk import draft_index, topk_terms
 
 
@@ -20,9 +21,11 @@ class TTTObjective(nn.Module):
     (computed by the loader on the host, ``data.ttt_rows``), and every count stays a device tensor, so a step
     queues its kernels without waiting for the GPU until the caller reads its figures."""
 
-    def __init__(self, drafter: Drafter, target_head: torch.Tensor, cfg: TrainConfig, attention: str, oov: bool):
+    def __init__(self, drafter: Drafter, target_head: torch.Tensor, cfg: TrainConfig, attention: str, oov: bool,
+                 replay: ChainReplay | None = None):  # fmt: skip
         super().__init__()
         self.drafter, self.cfg, self.attention, self.oov = drafter, cfg, attention, oov
+        self.replay = replay  # an on-policy round's previous drafter: its rejections weight the training loss
         self.register_buffer("target_head", target_head, persistent=False)  # [V, H], frozen
         self.register_buffer("draft_ids", torch.zeros(drafter.cfg.draft_vocab_size, dtype=torch.long), persistent=False)
 
@@ -69,11 +72,12 @@ class TTTObjective(nn.Module):
         return torch.cat(usable).float(), target
 
     def step_terms(self, out: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
-                   target: tuple) -> torch.Tensor:  # fmt: skip
+                   usable: torch.Tensor, target: tuple) -> torch.Tensor:  # fmt: skip
         """[KL summed, right top tokens, expected acceptance summed, its log summed] (the last two 0 for the KL
         loss) of one step at the flat drafter positions ``rows`` [n], predicting from the target rows ``targets``
-        [n] (indexes into ``target_view``'s rows), each weighted by ``weight`` [n] (0 where the OOV mask drops
-        it). A function of its inputs alone: a chunk of rows recomputes exactly this in the backward pass."""
+        [n] (indexes into ``target_view``'s rows): the loss terms weighted by ``weight`` [n], the right top tokens
+        by ``usable`` [n] (both 0 where the OOV mask drops a position). A function of its inputs alone: a chunk of
+        rows recomputes exactly this in the backward pass."""
         logq = torch.log_softmax(wide(self.drafter.logits(out.flatten(0, 1)[rows])), -1)  # [n, Vd]
         if len(target) == 2:  # the stored top-k
             terms = topk_terms(target[0][targets], target[1][targets], logq)
@@ -91,7 +95,7 @@ class TTTObjective(nn.Module):
                 accept = torch.minimum(full.exp(), logq.exp()).sum(-1)
                 log_accept = torch.where(accept > 0, accept.clamp_min(1e-30).log(), torch.zeros_like(accept))
                 terms = torch.stack([kl, hits, accept, log_accept])
-        return (terms * weight).sum(-1)
+        return (terms * torch.stack([weight, usable, weight, weight])).sum(-1)
 
     def forward(self, input_ids, loss_mask, hidden_states, aux_hidden_states, topk_ids=None, topk_logp=None,
                 position_ids=None, document_ids=None, loss_rows=None, loss_row_counts=None):  # fmt: skip
@@ -104,15 +108,18 @@ class TTTObjective(nn.Module):
         (``loss_rows``, ``loss_row_counts``); without them they are worked out here from ``loss_mask``."""
         steps = self.cfg.ttt_steps
         if loss_rows is None:
-            loss_rows, loss_row_counts = data.ttt_rows(loss_mask.cpu(), None if document_ids is None else
-                                                       document_ids.cpu(), steps)  # fmt: skip
+            documents = None if document_ids is None else document_ids.cpu()
+            loss_rows, loss_row_counts = data.ttt_rows(loss_mask.cpu(), documents, steps, self.cfg.loss_mask_align)
             loss_rows = loss_rows.to(input_ids.device)
-        rows = loss_rows.split(list(loss_row_counts))  # step i: flat positions t whose token t + 2 + i is a loss token
+        rows = loss_rows.split(list(loss_row_counts))  # step i: the flat positions t it is trained at
         # every target position a step predicts from is one step 0 does (t + 1 + i is step 0's row t + i + 1)
         first = rows[0] + 1
         targets = [torch.searchsorted(first, r + 1 + i) for i, r in enumerate(rows)]
         usable, target = self.target_view(first, hidden_states, None if hidden_states is not None else
                                           (topk_ids, topk_logp))  # fmt: skip
+        # the previous drafter's chains on the stored states as they are: the engine's, never the training's noise
+        first_misses = (self.replay.first_misses(input_ids, aux_hidden_states, steps, position_ids, document_ids)
+                        if self.replay is not None and self.training else None)  # fmt: skip
         if self.training and self.cfg.aux_noise > 0:
             aux_hidden_states = aux_hidden_states + torch.empty_like(aux_hidden_states).uniform_(
                 -self.cfg.aux_noise, self.cfg.aux_noise
@@ -120,16 +127,19 @@ class TTTObjective(nn.Module):
         outs = self.drafter.unroll(input_ids, aux_hidden_states, steps, self.attention,
                                    checkpoint=self.cfg.checkpoint_steps and self.training,
                                    position_ids=position_ids, document_ids=document_ids)  # fmt: skip
-        weights = [usable[t] for t in targets]
+        usables = [usable[t] for t in targets]
+        weights = usables
+        if first_misses is not None:
+            weights = [u * e for u, e in zip(usables, self.replay.weights(first_misses, rows), strict=True)]
         # accuracy is over every loss position, the unusable ones counting as misses: comparable across vocabularies
         positions = torch.tensor(loss_row_counts, dtype=torch.float32).to(input_ids.device, non_blocking=True)
         counts, positions = self.global_counts(torch.cat([torch.stack([w.sum() for w in weights]), positions]))
         sums = []
-        for out, r, t, w in zip(outs, rows, targets, weights, strict=True):
+        for out, r, t, w, u in zip(outs, rows, targets, weights, usables, strict=True):
             spans = self.spans(len(r))
             total = torch.zeros(4, device=input_ids.device)
             for lo, hi in spans:
-                args = (out, r[lo:hi], t[lo:hi], w[lo:hi], target)
+                args = (out, r[lo:hi], t[lo:hi], w[lo:hi], u[lo:hi], target)
                 if len(spans) > 1 and torch.is_grad_enabled():  # keep a chunk's inputs only; its logits recomputed
                     total = total + torch.utils.checkpoint.checkpoint(self.step_terms, *args, use_reentrant=False)
                 else:
@@ -147,9 +157,9 @@ class TTTObjective(nn.Module):
         return (step_weights * losses).sum(), losses.detach(), hits.detach()
 
     def global_counts(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(usable positions, loss positions) per step: over every process's batch while training across
-        processes, so the loss is the mean over the global batch's positions whatever their split, as on one
-        process."""
+        """(usable positions, weighted: the loss's denominators; loss positions) per step: over every process's
+        batch while training across processes, so the loss is the mean over the global batch's positions whatever
+        their split, as on one process."""
         counts = local.float()
         if self.training and dist.is_initialized():
             dist.all_reduce(counts)
@@ -157,13 +167,20 @@ class TTTObjective(nn.Module):
 
 
 def place(objective: TTTObjective, device: torch.device) -> TTTObjective:
-    """The objective on ``device``, the frozen target tensors (embedding, LM head) in the states' dtype first:
+    """The objective on ``device``, the frozen target tensors (embedding, LM head) in the states' dtype first
+    (one embedding for both drafters of an on-policy round):
     every use casts them to it anyway, and on a GPU float32 copies would hold twice the memory (4.4 GiB each at
     Kimi-K2.5's vocabulary)."""
     dtype = states_dtype(device)
     objective.target_head = objective.target_head.to(dtype)
     objective.drafter.embed_tokens = objective.drafter.embed_tokens.to(dtype)
-    return objective.to(device)
+    replay = objective.replay
+    if replay is not None:  # an on-policy round's previous drafter embeds with the same one, moved once, not twice
+        replay.drafter.embed_tokens = objective.drafter.embed_tokens[:0]
+    objective = objective.to(device)
+    if replay is not None:
+        replay.drafter.embed_tokens = objective.drafter.embed_tokens
+    return objective
 
 
 def objective_options(cfg: TrainConfig, device: torch.device) -> tuple[str, bool]:
@@ -201,7 +218,8 @@ def heldout_figures(
     was_training = objective.training
     objective.eval()
     sums = torch.zeros(objective.cfg.ttt_steps + 2, device=device)  # loss, accuracy per step, batches
-    batch_set = data.BatchSet(batches, data_dir, run_id, states_dtype(device), max_len, objective.cfg.ttt_steps)
+    batch_set = data.BatchSet(batches, data_dir, run_id, states_dtype(device), max_len, objective.cfg.ttt_steps,
+                              objective.cfg.loss_mask_align)  # fmt: skip
     for b in data.on_device(batch_set, device):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, _, acc = objective(*objective_inputs(b))

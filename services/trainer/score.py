@@ -165,18 +165,14 @@ def check_states(objective: TTTObjective, data_dir: Path, run_id: str, item: dat
             f"{drafter_dir}: the drafter reads {cfg.num_aux_hidden_states} aux states of {cfg.target_hidden_size} "
             f"({aux} wide) but run {run_id} stored {stored_aux}-wide aux states"
         )
-    # SGLang's ids in the drafter's config (the engine captures the input of layer id + 1): a drafter trained on
-    # other layers still scores, but on features it was not trained on
-    config = json.loads((drafter_dir / "config.json").read_text())
-    declared = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    # a drafter trained on other layers still scores, but on features it was not trained on
+    declared = ckpt.declared_layers(drafter_dir)
     stored = json.loads(metadata["aux_layer_ids"]) if metadata.get("aux_layer_ids") else None
-    if declared is not None and stored is not None and [int(i) + 1 for i in declared] != [int(i) for i in stored]:
+    if declared is not None and stored is not None and declared != [int(i) for i in stored]:
         log.warning(
-            "%s: the drafter declares aux layers %s (SGLang's ids: the inputs of layers %s) but run %s stored the "
-            "inputs of layers %s",
+            "%s: the drafter declares the inputs of layers %s but run %s stored the inputs of layers %s",
             drafter_dir,
             declared,
-            [int(i) + 1 for i in declared],
             run_id,
             stored,
         )

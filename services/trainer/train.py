@@ -35,7 +35,7 @@ from redis.client import NEVER_DECODE
 from torch import nn
 
 from eaglet.services.trainer import checkpoint as ckpt
-from eaglet.services.trainer import data, memory
+from eaglet.services.trainer import data, memory, onpolicy
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.curves import curves_dir
 from eaglet.services.trainer.distributed import Dist, distribute
@@ -190,9 +190,14 @@ def start(
         folder, curves, drafter_out = (f(data_dir, run_id) for f in (checkpoints_dir, curves_dir, drafter_dir))
     folder.mkdir(parents=True, exist_ok=True)
     saved = ckpt.load_latest_state(folder)
-    draft_ids = saved["draft_ids"] if saved is not None else draft_vocab(samples, train_items, target_dir, cfg, env)
-    shape = DrafterConfig(**saved["drafter_config"]) if saved is not None else None
-    objective = make_objective(target_dir, draft_ids, cfg, env, layers, shape)
+    previous = previous_drafter(cfg, target_dir, layers)
+    if saved is not None:  # resumed: the checkpoint's vocabulary and shape
+        draft_ids, shape = saved["draft_ids"], DrafterConfig(**saved["drafter_config"])
+    elif previous is not None:  # an on-policy round: the previous drafter's
+        draft_ids, shape = previous.draft_to_target(torch.arange(previous.cfg.draft_vocab_size)), previous.cfg
+    else:
+        draft_ids, shape = draft_vocab(samples, train_items, target_dir, cfg, env), None
+    objective = make_objective(target_dir, draft_ids, cfg, env, layers, shape, previous)
     check_memory(objective, cfg, env, data.longest_row(train_items, cfg.tokens_per_batch, cfg.max_len))
     per_epoch = len(epoch_batches(train_items, cfg, env, 0))
     if per_epoch == 0:
@@ -230,6 +235,16 @@ def draft_vocab(
     return vocab[0]
 
 
+def previous_drafter(cfg: TrainConfig, target_dir: Path, layers: list[int]) -> Drafter | None:
+    """An on-policy round's previous drafter (``cfg.onpolicy_from``), checked against the run; None otherwise."""
+    if not cfg.onpolicy_from:
+        return None
+    tcfg = model_config(target_dir)
+    hidden = int(tcfg.get("text_config", tcfg)["hidden_size"])
+    embed = ckpt.load_target_tensors(target_dir)["embed"].float()
+    return onpolicy.load_previous(Path(cfg.onpolicy_from), embed, hidden, layers)
+
+
 def make_objective(
     target_dir: Path,
     draft_ids: torch.Tensor,
@@ -237,11 +252,18 @@ def make_objective(
     env: Dist,
     layers: list[int],
     shape: DrafterConfig | None,
+    previous: Drafter | None = None,
 ) -> TTTObjective:
+    """The objective around a fresh drafter, or, given an on-policy round's ``previous`` drafter, one that starts
+    from its weights and is trained with the loss weights of its chains (``onpolicy.ChainReplay``)."""
     attention, oov = objective_options(cfg, env.device)
     torch.manual_seed(cfg.seed)  # the fresh drafter's weights are the same in every process and rerun
     drafter, target_head = build_drafter(target_dir, draft_ids, cfg, layers, shape)
-    objective = place(TTTObjective(drafter, target_head, cfg, attention, oov), env.device)
+    replay = None
+    if previous is not None:
+        drafter.load_state_dict(previous.state_dict())
+        replay = onpolicy.ChainReplay(previous, cfg.onpolicy_weight, attention, cfg.loss_chunk)
+    objective = place(TTTObjective(drafter, target_head, cfg, attention, oov, replay), env.device)
     objective.set_vocab(draft_ids.to(env.device))
     return objective
 
@@ -266,6 +288,12 @@ def resume(s: Session, saved: dict) -> None:
     if was != s.cfg.optimizer:
         raise ValueError(f"run {s.run_id}: its checkpoint was trained with --optimizer {was}, resumed with another "
                          f"--optimizer ({s.cfg.optimizer}): resume with {was}, or train into a new folder")  # fmt: skip
+    was_from, now_from = saved.get("train_config", {}).get("onpolicy_from", ""), s.cfg.onpolicy_from
+    if was_from != now_from:  # a round would otherwise resume the training it should start from, or the reverse
+        was, now = (f"an on-policy round from {f}" if f else "a fresh drafter's training" for f in (was_from, now_from))
+        raise ValueError(f"run {s.run_id}: its checkpoints in {s.folder} are of {was}, resumed as {now}: train it "
+                         "into a folder of its own (train(out_dir=...), ablate.py --out) or resume with the same "
+                         "--onpolicy-from")  # fmt: skip
     s.objective.drafter.load_state_dict(saved["model"])
     s.opt.load_state_dict(saved["optimizer"])
     s.sched.load_state_dict(saved["scheduler"])
@@ -292,7 +320,8 @@ def announce(s: Session, per_epoch: int) -> None:
 def train_epoch(s: Session) -> None:
     """The rest of the current epoch, or of the training if it ends first; a checkpoint every ``checkpoint_every``."""
     batches = epoch_batches(s.train_items, s.cfg, s.env, s.epoch)
-    batch_set = data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len, s.cfg.ttt_steps)
+    batch_set = data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len, s.cfg.ttt_steps,
+                              s.cfg.loss_mask_align)  # fmt: skip
     cuda = s.env.device.type == "cuda"
     for batch in data.on_device(data.loader(batch_set, s.batch, s.cfg.loader_workers, pin=cuda), s.env.device):
         if s.step >= s.total:

@@ -4,6 +4,8 @@ import importlib
 import json
 import sys
 
+import pytest
+
 
 def load_phases(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
@@ -61,3 +63,18 @@ def test_the_kept_conversations_are_the_data_phase(tmp_path, monkeypatch):
     assert [m["role"] for m in first["messages"]][:2] == ["user", "assistant"] and json.loads(held[0])["prompt"]
     monkeypatch.setenv("H2H_NEW_DATA", "1")
     assert not H.kept_data()  # new data asked for: the phase writes it with the target
+
+
+def test_a_recipe_from_another_recipes_drafter_waits_for_that_one(tmp_path, monkeypatch):
+    load_phases(tmp_path, monkeypatch)
+    import headtohead
+
+    H = importlib.reload(headtohead)
+    monkeypatch.setenv("H2H_ABLATIONS", "base=;round=--onpolicy-from @base --epochs 1")
+    flags = "--onpolicy-from @base --epochs 1"
+    assert H.drafter_flags(flags, {}) == ([], "starts from recipe base's drafter: trained once base is")
+    assert H.drafter_flags(flags, {"base": {"train": {"rc": 1}}})[1]  # failed: still waiting, never its checkpoint
+    trained = {"base": {"train": {"rc": 0}, "drafter_dir": "recipes/base/drafter"}}
+    assert H.drafter_flags(flags, trained) == (["--onpolicy-from", "recipes/base/drafter", "--epochs", "1"], None)
+    with pytest.raises(ValueError, match="@nobody, which is no recipe"):
+        H.drafter_flags("--onpolicy-from @nobody", trained)

@@ -38,9 +38,11 @@ def make_run(
     complete: bool = True,
     store_dtype: str = "model",
     layout: Layout = Layout(),
+    texts: list[list[int]] | None = None,
 ) -> list[int]:
-    """Writes ``n`` samples and the run state, stored as ``store_dtype`` in ``layout`` (a top-k computed as the
-    reference server does); marks all done (``complete``) or all but the last. Returns layer ids."""
+    """Writes ``n`` samples (``texts``' token ids, else patterned sequences) and the run state, stored as
+    ``store_dtype`` in ``layout`` (a top-k computed as the reference server does); marks all done (``complete``)
+    or all but the last. Returns layer ids."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     layers = model.config.num_hidden_layers
     layer_ids = default_layer_ids(layers)
@@ -48,7 +50,7 @@ def make_run(
     state.create(model_dir=str(model_dir), hidden_size=model.config.hidden_size, num_layers=layers,
                  aux_layer_ids=layer_ids)  # fmt: skip
     writer = SampleWriter(samples_dir(data_dir, run_id))
-    seqs = token_sequences(n, length)
+    seqs = texts if texts is not None else token_sequences(n, length)
     for i, ids in enumerate(seqs):
         mask = [0] * (len(ids) // 3) + [1] * (len(ids) - len(ids) // 3)
         writer.append(f"s{i:04d}", ids, mask)

@@ -33,6 +33,9 @@ def test_the_rule_grows_with_the_length_and_checkpointed_steps_shrink_it():
     assert all(s < p for s, p in zip(steps[1:], plain[1:], strict=True))
     assert plain[-1] > 139 > 75 > steps[-2]  # 64 K tokens need checkpointed steps on an H200; 32 K fit 80 GB with them
     assert estimate(KIMI, 8192, cfg, world=2).total_gib > plain[0]  # DDP's buckets
+    rounds = estimate(KIMI, 8192, TrainConfig(onpolicy_from="previous"))  # an on-policy round's previous drafter
+    assert rounds.forward_end["previous"] == rounds.backward["previous"] == 4 * memory.trainable_params(KIMI) + 8 * 8192
+    assert rounds.total_gib > plain[0]
 
 
 def test_a_row_too_long_is_refused_with_what_would_fit():
