@@ -86,7 +86,11 @@ def test_supervisor_releases_its_gpus_once_no_run_extracts_and_the_trainer_takes
     trainer = threading.Thread(target=wait_for_start, args=(ready,), kwargs=waits, daemon=True)
     try:
         trainer.start()
-        time.sleep(1.5)  # another run still extracts: the server keeps its GPUs, the trainer waits
+        deadline = time.monotonic() + 60  # the supervisor and its server start (seconds on a busy machine)
+        while not (pid_file.exists() and pid_file.read_text() and ready.stage() == Stage.waiting_for_gpus):
+            assert time.monotonic() < deadline, "the server never started, or the trainer never waited"
+            time.sleep(0.05)
+        time.sleep(1.0)  # another run still extracts: the server keeps its GPUs, the trainer waits
         assert supervisor.poll() is None and trainer.is_alive() and not ready.gpus_released()
         assert ready.stage() == Stage.waiting_for_gpus
         scheduler = int(pid_file.read_text())
