@@ -94,6 +94,9 @@ class TrainConfig:
     oov_mask: OovMask = "auto"
     """on | off | auto (on on GPU): drop positions whose target top token (over the full vocabulary) is not in the
     draft vocabulary. Costs a full-vocabulary projection per token; off on CPU for speed."""
+    max_unreadable: float = 0.01
+    """Share of the run's samples whose stored files may be unreadable (truncated, a bad header): each is skipped,
+    named in the log and the run's errors, and counted in its status; one more and the run fails, saying so."""
     log_every: int = 10
     """Optimizer steps between progress reports (Redis hash and log)."""
 
@@ -117,6 +120,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.loss_chunk must be 0 (never chunked) or more, got {self.loss_chunk}")
         if self.memory_gib < 0:
             raise ValueError(f"TrainConfig.memory_gib must be 0 (the device's) or more, got {self.memory_gib}")
+        if not 0 <= self.max_unreadable <= 1:
+            raise ValueError(f"TrainConfig.max_unreadable must be in [0, 1], got {self.max_unreadable}")
         if self.aux_noise < 0:
             raise ValueError(f"TrainConfig.aux_noise must be 0 (off) or more, got {self.aux_noise}")
         if self.loader_workers < 0:
