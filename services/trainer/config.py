@@ -8,6 +8,7 @@ from eaglet.services.trainer.optimizer import Optimizer
 
 Attention = Literal["auto", "math", "flex"]
 OovMask = Literal["auto", "on", "off"]
+Compile = Literal["auto", "on", "off"]
 Loss = Literal["kl", "lk-alpha", "lk-lambda"]
 
 
@@ -84,6 +85,10 @@ class TrainConfig:
     checkpoint_steps: bool = False
     """Recompute each unrolled step's activations in the backward pass instead of keeping them (about a third more
     compute): for samples too long for memory otherwise (Kimi-K2.5's shape: 64K-token rows in about 70 GiB)."""
+    compile: Compile = "auto"
+    """on | off | auto (on on GPU): torch.compile the drafter's TTT step and the loss chunk (the trainer's
+    compiled.py; dynamic shapes: every row length shares the graphs). Pays where per-kernel overhead dominates a
+    step: small drafters. A compile failure is an error; off trains eager."""
     memory_gib: float = 0.0
     """The device memory to plan for, in GiB: before its first step the trainer refuses rows (max_len,
     tokens_per_batch) that the memory rule (the trainer's memory.py) says would not fit, saying what
@@ -129,7 +134,8 @@ class TrainConfig:
                 f"TrainConfig.loader_workers must be 0 (read in the loop) or more, got {self.loader_workers}"
             )
         for name, choices in (
-            ("attention", Attention), ("oov_mask", OovMask), ("loss", Loss), ("optimizer", Optimizer)
+            ("attention", Attention), ("oov_mask", OovMask), ("compile", Compile), ("loss", Loss),
+            ("optimizer", Optimizer),
         ):  # fmt: skip
             if getattr(self, name) not in get_args(choices):
                 raise ValueError(

@@ -36,6 +36,7 @@ from torch import nn
 
 from eaglet.services.trainer import checkpoint as ckpt
 from eaglet.services.trainer import data, memory
+from eaglet.services.trainer.compiled import compile_objective, compile_on
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.curves import curves_dir
 from eaglet.services.trainer.distributed import Dist, distribute, everywhere
@@ -251,7 +252,7 @@ def make_objective(
     drafter, target_head = build_drafter(target_dir, draft_ids, cfg, layers, shape)
     objective = place(TTTObjective(drafter, target_head, cfg, attention, oov), env.device)
     objective.set_vocab(draft_ids.to(env.device))
-    return objective
+    return compile_objective(objective) if compile_on(cfg, env.device) else objective
 
 
 def check_memory(objective: TTTObjective, cfg: TrainConfig, env: Dist, longest: int) -> None:
@@ -290,9 +291,10 @@ def announce(s: Session, per_epoch: int) -> None:
     ))  # fmt: skip
     log.info(
         "run %s: training %d steps (%d a epoch), %d train / %d held-out samples, draft vocab %d, %d TTT steps, "
-        "%d process(es) on %s, attention %s",
+        "%d process(es) on %s, attention %s, %s",
         s.run_id, s.total, per_epoch, len(s.train_items), len(s.held_items), len(s.draft_ids),
         cfg.ttt_steps, env.world, env.device, s.objective.attention,
+        "compiled" if compile_on(cfg, env.device) else "eager",
     )  # fmt: skip
     s.rep.start_bar(s.total, s.step)
 
