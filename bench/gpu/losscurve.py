@@ -12,7 +12,8 @@ Phases (through phases.py's runner; results in $OUT/<phase>.json):
 LOSSCURVE_BACKEND (inductor) is what a compiled step's graphs go to: aot_eager for a CPU record (inductor's C++
 builds take minutes a graph on a small CPU).
 Each record holds every step's loss, per-step losses and accuracies, gradient norm and learning rate, as the
-trainer's metrics.jsonl has them. The run is removed behind it; the target stays.
+trainer's metrics.jsonl has them, and the graphs torch.compile made during the training (``compiled_graphs``: 0
+with --compile off). The run is removed behind it; the target stays.
 """
 
 import functools
@@ -26,10 +27,12 @@ from dataclasses import asdict, replace
 import phases as P
 import torch
 import trainspeed as TS
+from torch._dynamo.utils import counters
 
 from eaglet.services.trainer import compiled
 from eaglet.services.trainer.distributed import init_distributed
 from eaglet.services.trainer.train import train
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.store import checkpoints_dir, run_dir
 
 STEPS = int(os.environ.get("LOSSCURVE_STEPS", "40"))
@@ -55,9 +58,11 @@ def run_phase(phase: str, flags_env: str) -> None:
                             "device": device}  # fmt: skip
     try:
         TS.write_samples(folder, text, run_id, T, SAMPLES, vocab)
+        graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         train(redis=None, run_id=run_id, data_dir=TS.DATA, target_dir=folder, cfg=cfg, env=init_distributed())
         R["train_wall_s"] = round(time.perf_counter() - start, 1)
+        R["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs
         rows = [json.loads(x) for x in (checkpoints_dir(TS.DATA, run_id) / "metrics.jsonl").read_text().splitlines()]
         R["steps"] = [{k: r[k] for k in STEP_FIELDS} for r in rows]
         R["done"] = len(R["steps"]) == STEPS
@@ -78,6 +83,7 @@ PHASES: dict[str, Callable[[], None]] = {
 }
 
 if __name__ == "__main__":
+    setup_logging()
     P.PHASES.update(PHASES)
     P.ESTIMATE_S.update(dict.fromkeys(PHASES, estimate_s))
     raise SystemExit(P.main())

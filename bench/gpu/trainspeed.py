@@ -54,6 +54,7 @@ from trainshapes import KIMI, TEXT
 
 from eaglet.services.trainer import train as trainer
 from eaglet.services.trainer.checkpoint import load_target_tensors
+from eaglet.services.trainer.compiled import compile_on
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.distributed import init_distributed
 from eaglet.services.trainer.main import add_config_flags, config_from_args
@@ -94,6 +95,7 @@ STEP_COMPILE_S = 60.0  # --compile on: the TTT step's and the loss chunk's graph
 CHECKPOINT_BYTES_PER_PARAM = 14
 RECOMPUTE = 4 / 3  # checkpointed TTT steps: each step's forward again in the backward pass
 COMPILED_HEAD_DIMS: set[int] = set()  # FlexAttention compiled in this process, for these head sizes (both phases)
+COMPILED_STEPS: set[str] = set()  # shapes whose compiled TTT step this process has (its graphs serve later rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +315,8 @@ def estimate_s(name: str, T: int, cfg: TrainConfig) -> float:
     write = samples_for(text, T) * sample_bytes(text, T) + CHECKPOINT_BYTES_PER_PARAM * f["drafter_matmul_params"]
     write += target_bytes if new_target else 0
     compile_s = COMPILE_S if torch.cuda.is_available() and f["drafter"]["head_dim"] not in COMPILED_HEAD_DIMS else 0
-    compile_s += STEP_COMPILE_S if cfg.compile == "on" else 0
+    compiled = compile_on(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    compile_s += STEP_COMPILE_S if compiled and name not in COMPILED_STEPS else 0
     rate = shape.tokens_per_s / (RECOMPUTE if cfg.checkpoint_steps else 1)
     return (START_S + target_bytes / TARGET_LOAD_BYTES_PER_S + write / DISK_BYTES_PER_S + compile_s
             + STEPS * T / rate)  # fmt: skip
@@ -403,7 +406,7 @@ def run_phase(phase: str, flags_env: str) -> None:
             else:
                 P.log(f"{phase}: {name} T={T} (estimated {est:.0f} s)")
                 row = measure(name, T, cfg, env)
-                COMPILED_HEAD_DIMS.add(row["flops"]["drafter"]["head_dim"])
+                remember_compiled(name, row, cfg)
                 row["estimated_s"] = round(est)
                 if row["outcome"] in ("oom", "refused"):
                     stopped = f"{'out of memory' if row['outcome'] == 'oom' else 'refused'} at {T} tokens"
@@ -436,12 +439,19 @@ def run_compile_phase() -> None:
                 else:
                     P.log(f"trainspeed-compile: {name} T={T} compile {mode} #{repeat + 1} (estimated {est:.0f} s)")
                     row = measure(name, T, cfg, env)
-                    COMPILED_HEAD_DIMS.add(row["flops"]["drafter"]["head_dim"])
+                    remember_compiled(name, row, cfg)
                     row["estimated_s"] = round(est)
                 R["runs"].append({**row, "compile": mode, "repeat": repeat})
                 R["summary"] = compile_summary(R["runs"])
                 P.save("trainspeed-compile")
                 write_table()
+
+
+def remember_compiled(name: str, row: dict, cfg: TrainConfig) -> None:
+    """What the row compiled, for the later rows' estimates: FlexAttention for its head size, the TTT step."""
+    COMPILED_HEAD_DIMS.add(row["flops"]["drafter"]["head_dim"])
+    if compile_on(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        COMPILED_STEPS.add(name)
 
 
 def compile_summary(runs: list[dict]) -> list[dict]:

@@ -23,7 +23,9 @@ symbols one graph serves them all. What still specializes is static by nature: t
 steps' keys it merges), training against held-out evaluation (grad mode), a loss chunk against the last, shorter
 one. A training compiles about twice ``ttt_steps`` graphs of the step and a few of the loss chunk; the recompile
 limit is raised to that, and a hit is an error (``fail_on_recompile_limit_hit``), never a silent fall-back to eager.
-A compile failure is a ``CompileError`` naming what failed and the way out (``--compile off``)."""
+A compile failure in the forward pass is a ``CompileError`` naming what failed and the way out (``--compile off``);
+one in a backward graph (compiled at the first backward pass) stops the step with torch's own error. Neither falls
+back to eager."""
 
 import functools
 from collections.abc import Callable
@@ -35,9 +37,10 @@ from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.objective import TTTObjective
 
 BACKEND: str | Callable = "inductor"  # what torch.compile hands the graphs to
-# graphs a compiled function may keep per TTT step: its index's in training and in held-out evaluation, and room for
-# the few shapes dynamic sizes still specialize on (a loss chunk of a single row)
-GRAPHS_PER_STEP = 4
+# graphs a compiled function may keep per TTT step: its index's in training and in held-out evaluation, with room
+# for the few shapes dynamic sizes still specialize on (a loss chunk of a single row) and for drafters of other
+# shapes trained in the same process (the benches)
+GRAPHS_PER_STEP = 8
 
 
 class CompileError(RuntimeError):
@@ -75,5 +78,4 @@ def _compiled(fn: Callable, what: str, backend: str | Callable) -> Callable:
                 f"torch.compile ({name}) of {what} failed: {type(e).__name__}: {e}. --compile off trains eager"
             ) from e
 
-    call.compiled = compiled  # type: ignore[attr-defined]
     return call
