@@ -1,8 +1,8 @@
 """``--compile on``: the trainer's steps run through torch.compile's graphs and train as eager does, step for step.
 
 On the CPU with the trainer's own backend, inductor (its C++ kernels built by the C compiler: about two minutes
-here for the graphs of a training). The speed bench's CPU test and the CPU loss-curve record use aot_eager, which
-runs the same tracing, autograd graphs and guards with eager kernels, in a fraction of the time."""
+here for the graphs of a training). The speed bench's CPU test uses aot_eager, which runs the same tracing,
+autograd graphs and guards with eager kernels, in a fraction of the time."""
 
 import json
 from pathlib import Path
