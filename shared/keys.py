@@ -40,6 +40,7 @@ class RunKeys:
         self.regen_batch_done = f"{base}:regen:batch_done"  # bitmap by batch: the batch's job ran to its end
         self.regen_lost = f"{base}:regen:lost"  # HASH batch -> times the worker running it died
         self.train = f"{base}:train"  # HASH: records.TrainProgress
+        self.unreadable = f"{base}:train:unreadable"  # SET sample indexes whose stored file the trainer could not read
         self.train_lock = f"{base}:train:lock"  # STRING "host:pid" of the trainer that holds the run, with a TTL
         self.eval = f"{base}:eval"  # HASH: records.EvalResult
         # Capped series (shared/series.py): LIST of JSON points, oldest first; HASH interval, first, last, closed

@@ -220,6 +220,9 @@ class TrainProgress(HashRecord):
     pid: int | None = None
     follow_attempts: int | None = None
     """Trainings the trainer service started for the run, resumptions included."""
+    unreadable_samples: int | None = None
+    """Samples whose stored file the trainer could not read (truncated, a bad header), each counted once: skipped,
+    each one's error among the run's errors."""
 
     @property
     def accuracy(self) -> float | None:

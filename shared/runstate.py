@@ -374,5 +374,18 @@ class RunState:
         pipe.hincrby(self.keys.counts, "errors", 1)
         pipe.execute()
 
+    def record_unreadable(self, index: int, sample_id: str, reason: str) -> int:
+        """A stored sample the trainer could not read: counted once however often a training meets it (a resumed
+        training, another process), its error kept among the run's errors (given up: ``final``) for ``/status``.
+        Returns how many of the run's samples are unreadable so far."""
+        pipe = self.redis.pipeline()
+        pipe.sadd(self.keys.unreadable, index)
+        pipe.scard(self.keys.unreadable)
+        added, count = pipe.execute()
+        if added:
+            self.record_error(index, sample_id, reason, worker="trainer", final=True)
+            self.update_train(TrainProgress(unreadable_samples=int(count)))
+        return int(count)
+
     def counts(self) -> ExtractionCounts:
         return ExtractionCounts.from_redis(self.redis.hgetall(self.keys.counts))

@@ -468,6 +468,7 @@ def _training(stage: Stage, meta: RunMeta, progress: TrainProgress, now: float) 
         last_checkpoint=progress.last_checkpoint,
         state=state,
         error=meta.error if state == "failed" else None,
+        unreadable_samples=progress.unreadable_samples or 0,
         seconds_since_update=now - progress.updated_at if progress.updated_at is not None else None,
         seconds_since_beat=now - progress.beat_at if progress.beat_at is not None else None,
     )

@@ -108,6 +108,9 @@ class Training(BaseModel):
     last_checkpoint: str | None
     state: str | None = Field(description="The trainer's state, from the run's stage: waiting, training, done, failed")
     error: str | None = Field(description="Why the training failed, when it did")
+    unreadable_samples: int = Field(
+        0, description="Samples whose stored file could not be read, skipped (each in extraction.last_errors)"
+    )
     seconds_since_update: float | None
     seconds_since_beat: float | None = Field(description="Age of the trainer process's heartbeat")
 

@@ -312,7 +312,13 @@ def open_sample(path: Path) -> dict[str, torch.Tensor]:
 
 
 def read_metadata(path: Path) -> dict[str, str]:
-    found = sample_header(path)
-    if found is None:
-        raise StoreError(f"{path}: missing or incomplete sample file")
-    return found[1]
+    """A stored sample's metadata; StoreError saying what is wrong with a file that is absent, truncated, or not
+    a sample file."""
+    try:
+        header = read_header(path)
+    except (OSError, TensorFileError) as e:
+        raise StoreError(f"{path}: missing or incomplete sample file ({e})") from e
+    missing = [k for k in ("input_ids", "loss_mask") if k not in header.slices]
+    if missing:
+        raise StoreError(f"{path}: not a sample file (no {', '.join(missing)})")
+    return header.metadata

@@ -6,7 +6,10 @@ Phases (through phases.py's runner: deadlines, results in $OUT/<phase>.json):
   trainspeed    every shape of TRAINSPEED_SHAPES (kimi,l8b,smol) at every length of TRAINSPEED_LENGTHS, with the
                 trainer options TRAINSPEED_FLAGS (the trainer's own flags, e.g. "--loss-chunk 0")
   trainspeed-b  the same rows with TRAINSPEED_FLAGS_B: a change measured against the first in the same call
-Both also write $OUT/trainspeed.md, a table per phase.
+  trainspeed-compile  each row of TRAINSPEED_COMPILE_ROWS (smol:2048,smol:8192,l8b:8192) with --compile off and on,
+                interleaved, TRAINSPEED_REPEATS (3) times each, with TRAINSPEED_FLAGS: the median tokens/s of each
+                and their spread, and on's ratio to off
+All three also write $OUT/trainspeed.md, a table per phase.
 
 A row is the real trainer, ``train(redis=None, ...)`` with its loader, on a synthetic run: a target directory with
 the shape's config.json and random bf16 embedding and LM head (all the trainer reads of a target), and samples of
@@ -35,6 +38,7 @@ import os
 import re
 import shlex
 import shutil
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,6 +54,7 @@ from trainshapes import KIMI, TEXT
 
 from eaglet.services.trainer import train as trainer
 from eaglet.services.trainer.checkpoint import load_target_tensors
+from eaglet.services.trainer.compiled import compile_on
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.distributed import init_distributed
 from eaglet.services.trainer.main import add_config_flags, config_from_args
@@ -66,6 +71,9 @@ WARMUP_STEPS = 2
 STEPS = int(os.environ.get("TRAINSPEED_STEPS", "6"))
 SHAPE_NAMES = os.environ.get("TRAINSPEED_SHAPES", "kimi,l8b,smol").split(",")
 LENGTHS = sorted(int(x) for x in os.environ.get("TRAINSPEED_LENGTHS", "2048,8192,16384,32768,65536").split(","))
+COMPILE_ROWS = [(name, int(T)) for name, T in (row.split(":") for row in
+                os.environ.get("TRAINSPEED_COMPILE_ROWS", "smol:2048,smol:8192,l8b:8192").split(","))]  # fmt: skip
+REPEATS = int(os.environ.get("TRAINSPEED_REPEATS", "3"))
 # One epoch of distinct samples when the disk allows: with fewer, every epoch restarts the loader's workers and
 # its first batch is read while the GPU waits, which a real run (thousands of samples an epoch) never does.
 DISK_BUDGET_BYTES = float(os.environ.get("TRAINSPEED_DISK_GB", "24")) * 1e9
@@ -83,9 +91,11 @@ DISK_BYTES_PER_S = 1.3e9
 START_S = 10.0
 TARGET_LOAD_BYTES_PER_S = 2e9
 COMPILE_S = 60.0
+STEP_COMPILE_S = 60.0  # --compile on: the TTT step's and the loss chunk's graphs, forward and backward (a guess)
 CHECKPOINT_BYTES_PER_PARAM = 14
 RECOMPUTE = 4 / 3  # checkpointed TTT steps: each step's forward again in the backward pass
 COMPILED_HEAD_DIMS: set[int] = set()  # FlexAttention compiled in this process, for these head sizes (both phases)
+COMPILED_STEPS: set[str] = set()  # shapes whose compiled TTT step this process has (its graphs serve later rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +315,8 @@ def estimate_s(name: str, T: int, cfg: TrainConfig) -> float:
     write = samples_for(text, T) * sample_bytes(text, T) + CHECKPOINT_BYTES_PER_PARAM * f["drafter_matmul_params"]
     write += target_bytes if new_target else 0
     compile_s = COMPILE_S if torch.cuda.is_available() and f["drafter"]["head_dim"] not in COMPILED_HEAD_DIMS else 0
+    compiled = compile_on(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    compile_s += STEP_COMPILE_S if compiled and name not in COMPILED_STEPS else 0
     rate = shape.tokens_per_s / (RECOMPUTE if cfg.checkpoint_steps else 1)
     return (START_S + target_bytes / TARGET_LOAD_BYTES_PER_S + write / DISK_BYTES_PER_S + compile_s
             + STEPS * T / rate)  # fmt: skip
@@ -394,7 +406,7 @@ def run_phase(phase: str, flags_env: str) -> None:
             else:
                 P.log(f"{phase}: {name} T={T} (estimated {est:.0f} s)")
                 row = measure(name, T, cfg, env)
-                COMPILED_HEAD_DIMS.add(row["flops"]["drafter"]["head_dim"])
+                remember_compiled(name, row, cfg)
                 row["estimated_s"] = round(est)
                 if row["outcome"] in ("oom", "refused"):
                     stopped = f"{'out of memory' if row['outcome'] == 'oom' else 'refused'} at {T} tokens"
@@ -402,6 +414,62 @@ def run_phase(phase: str, flags_env: str) -> None:
             keep(R["rows"], row)
             P.save(phase)
             write_table()
+
+
+def run_compile_phase() -> None:
+    """Compile off against on at the rows of TRAINSPEED_COMPILE_ROWS, in one call: off, on, off, on, ...
+    TRAINSPEED_REPEATS times a row, so a drift of the machine (clocks, another tenant) falls on both alike. Each
+    run is a row as ``measure`` makes it (the first of a process's compiled runs compiles in its warm-up steps,
+    untimed); the record's ``summary`` gives each row and mode's median tokens/s, its spread and on's ratio to off."""
+    flags = os.environ.get("TRAINSPEED_FLAGS", "")
+    R = P.RESULTS["trainspeed-compile"] = {"flags": flags, "repeats": REPEATS, "runs": [], "summary": []}
+    env = init_distributed()
+    R.update(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", done=True)
+    for name, T in COMPILE_ROWS:
+        for repeat in range(REPEATS):
+            for mode in ("off", "on"):
+                cfg = trainer_config(f"{flags} --compile {mode}")
+                if (est := estimate_s(name, T, cfg)) > (left := time_left()):
+                    row = {
+                        "shape": name,
+                        "T": T,
+                        "outcome": "skipped",
+                        "why": f"estimated {est:.0f} s, {left:.0f} s left",
+                    }
+                else:
+                    P.log(f"trainspeed-compile: {name} T={T} compile {mode} #{repeat + 1} (estimated {est:.0f} s)")
+                    row = measure(name, T, cfg, env)
+                    remember_compiled(name, row, cfg)
+                    row["estimated_s"] = round(est)
+                R["runs"].append({**row, "compile": mode, "repeat": repeat})
+                R["summary"] = compile_summary(R["runs"])
+                P.save("trainspeed-compile")
+                write_table()
+
+
+def remember_compiled(name: str, row: dict, cfg: TrainConfig) -> None:
+    """What the row compiled, for the later rows' estimates: FlexAttention for its head size, the TTT step."""
+    COMPILED_HEAD_DIMS.add(row["flops"]["drafter"]["head_dim"])
+    if compile_on(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        COMPILED_STEPS.add(name)
+
+
+def compile_summary(runs: list[dict]) -> list[dict]:
+    """Per row: each mode's measured tokens/s (median, min, max, spread = (max - min) / median) and on / off."""
+    out = []
+    for name, T in dict.fromkeys((r["shape"], r["T"]) for r in runs):
+        row: dict = {"shape": name, "T": T}
+        for mode in ("off", "on"):
+            key = (name, T, mode, "measured")
+            speeds = sorted(r["tokens_per_s"] for r in runs if (r["shape"], r["T"], r["compile"], r["outcome"]) == key)
+            if speeds:
+                median = statistics.median(speeds)
+                row[mode] = {"runs": len(speeds), "median": median, "min": speeds[0], "max": speeds[-1],
+                             "spread": round((speeds[-1] - speeds[0]) / median, 4)}  # fmt: skip
+        if "off" in row and "on" in row:
+            row["on_over_off"] = round(row["on"]["median"] / row["off"]["median"], 3)
+        out.append(row)
+    return out
 
 
 def keep(rows: list[dict], row: dict) -> None:
@@ -455,7 +523,26 @@ def write_table() -> None:
             rule = r.get("rule_GiB", "-")
             out.append(f"| {r['shape']} | {r['T']:,} | {speed_cell} | {mfu_cell} | {peaks} | {rule} | {note} |")
         out.append("")
+    out += compile_table(P.RESULTS.get("trainspeed-compile"))
     (P.OUT / "trainspeed.md").write_text("\n".join(out))
+
+
+def compile_table(R: dict | None) -> list[str]:
+    """trainspeed-compile's summary as a table: each mode's median tokens/s over its runs, their range, on / off."""
+    if not R or not R.get("summary"):
+        return []
+    out = [f"## trainspeed-compile: `--compile off` against `on` on {R['device']}, trainer flags "
+           f"`{R['flags'] or '(defaults)'}`, up to {R['repeats']} runs each, interleaved", "",
+           "| shape | T | off tokens/s (median; min-max) | on tokens/s (median; min-max) | on / off |",
+           "|---|---|---|---|---|"]  # fmt: skip
+
+    def cell(m: dict | None) -> str:
+        return f"{m['median']:,.0f}; {m['min']:,.0f}-{m['max']:,.0f} ({m['runs']})" if m else "-"
+
+    for r in R["summary"]:
+        ratio = f"x{r['on_over_off']:.2f}" if "on_over_off" in r else "-"
+        out.append(f"| {r['shape']} | {r['T']:,} | {cell(r.get('off'))} | {cell(r.get('on'))} | {ratio} |")
+    return [*out, ""]
 
 
 def phase_estimate() -> float:
@@ -466,6 +553,7 @@ def phase_estimate() -> float:
 PHASES: dict[str, Callable[[], None]] = {
     "trainspeed": functools.partial(run_phase, "trainspeed", "TRAINSPEED_FLAGS"),
     "trainspeed-b": functools.partial(run_phase, "trainspeed-b", "TRAINSPEED_FLAGS_B"),
+    "trainspeed-compile": run_compile_phase,
 }
 ESTIMATE_S = {phase: phase_estimate for phase in PHASES}
 

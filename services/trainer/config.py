@@ -8,6 +8,7 @@ from eaglet.services.trainer.optimizer import Optimizer
 
 Attention = Literal["auto", "math", "flex"]
 OovMask = Literal["auto", "on", "off"]
+Compile = Literal["auto", "on", "off"]
 Loss = Literal["kl", "lk-alpha", "lk-lambda"]
 LossMaskAlign = Literal["predicted", "position"]
 
@@ -94,6 +95,11 @@ class TrainConfig:
     checkpoint_steps: bool = False
     """Recompute each unrolled step's activations in the backward pass instead of keeping them (about a third more
     compute): for samples too long for memory otherwise (Kimi-K2.5's shape: 64K-token rows in about 70 GiB)."""
+    compile: Compile = "off"
+    """on | off | auto (on on GPU): torch.compile the drafter's TTT step and the loss chunk (the trainer's
+    compiled.py; dynamic shapes: every row length shares the graphs). Meant for where per-kernel overhead dominates
+    a step: small drafters. Off by default until the GPU speed bench (trainspeed-compile) has measured what it pays
+    there. A compile failure is an error; off trains eager."""
     memory_gib: float = 0.0
     """The device memory to plan for, in GiB: before its first step the trainer refuses rows (max_len,
     tokens_per_batch) that the memory rule (the trainer's memory.py) says would not fit, saying what
@@ -113,6 +119,9 @@ class TrainConfig:
     oov_mask: OovMask = "auto"
     """on | off | auto (on on GPU): drop positions whose target top token (over the full vocabulary) is not in the
     draft vocabulary. Costs a full-vocabulary projection per token; off on CPU for speed."""
+    max_unreadable: float = 0.01
+    """Share of the run's samples whose stored files may be unreadable (truncated, a bad header): each is skipped,
+    named in the log and the run's errors, and counted in its status; one more and the run fails, saying so."""
     log_every: int = 10
     """Optimizer steps between progress reports (Redis hash and log)."""
 
@@ -138,6 +147,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.memory_gib must be 0 (the device's) or more, got {self.memory_gib}")
         if self.onpolicy_weight <= 0:
             raise ValueError(f"TrainConfig.onpolicy_weight must be above 0, got {self.onpolicy_weight}")
+        if not 0 <= self.max_unreadable <= 1:
+            raise ValueError(f"TrainConfig.max_unreadable must be in [0, 1], got {self.max_unreadable}")
         if self.aux_noise < 0:
             raise ValueError(f"TrainConfig.aux_noise must be 0 (off) or more, got {self.aux_noise}")
         if self.loader_workers < 0:
@@ -145,8 +156,8 @@ class TrainConfig:
                 f"TrainConfig.loader_workers must be 0 (read in the loop) or more, got {self.loader_workers}"
             )
         for name, choices in (
-            ("attention", Attention), ("oov_mask", OovMask), ("loss", Loss), ("loss_mask_align", LossMaskAlign),
-            ("optimizer", Optimizer),
+            ("attention", Attention), ("oov_mask", OovMask), ("compile", Compile), ("loss", Loss),
+            ("loss_mask_align", LossMaskAlign), ("optimizer", Optimizer),
         ):  # fmt: skip
             if getattr(self, name) not in get_args(choices):
                 raise ValueError(

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from eaglet.services.trainer.config import LossMaskAlign
 from eaglet.shared.samples import SampleSet
-from eaglet.shared.store import decode_states, open_sample, read_metadata, sample_path
+from eaglet.shared.store import StoreError, decode_states, open_sample, read_metadata, sample_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +54,29 @@ def split_items(samples: SampleSet, indexes: list[int], heldout: float) -> tuple
 
 
 def load_sample(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One stored sample, read by the store, as training tensors: its state tensors decoded to ``dtype``."""
+    """One stored sample, read by the store, as training tensors: its state tensors decoded to ``dtype``.
+    StoreError for a file that cannot be read as one: absent, truncated, a bad header, a tensor missing."""
     metadata = read_metadata(path)  # first: a truncated or foreign file fails here, as a StoreError
     stored = open_sample(path)
-    return {
-        "input_ids": stored["input_ids"].long(),  # [T]
-        "loss_mask": stored["loss_mask"].bool(),  # [T]
-        # aux [T, 3H]; hidden_states [T, H] after the final norm, or the target's topk_ids / topk_logp [T, k]
-        **decode_states(stored, metadata, dtype),
-    }
+    try:
+        return {
+            "input_ids": stored["input_ids"].long(),  # [T]
+            "loss_mask": stored["loss_mask"].bool(),  # [T]
+            # aux [T, 3H]; hidden_states [T, H] after the final norm, or the target's topk_ids / topk_logp [T, k]
+            **decode_states(stored, metadata, dtype),
+        }
+    except (KeyError, ValueError) as e:
+        raise StoreError(f"{path}: not a sample file of this run ({type(e).__name__}: {e})") from e
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A stored sample that could not be read: which one, its file, and why (the store's message)."""
+
+    index: int
+    sample_id: str
+    path: str
+    reason: str
 
 
 def make_batches(items: list[Item], tokens_per_batch: int, seed: int, epoch: int, window: int = 64) -> list[list[Item]]:
@@ -100,8 +114,10 @@ def shard(batches: list[list[Item]], rank: int, world: int) -> list[list[Item]]:
     return batches[rank:n:world]
 
 
-Batch = dict[str, torch.Tensor | tuple[int, ...]]
-"""A packed batch: tensors [1, L, ...], and ``loss_row_counts`` (host integers: how the loss rows split by step)."""
+Batch = dict[str, torch.Tensor | tuple]
+"""A packed batch: tensors [1, L, ...], ``loss_row_counts`` (host integers: how the loss rows split by step) and
+``unreadable`` (the batch's samples whose files could not be read, ``Unreadable``, left out of it). A batch none of
+whose samples could be read holds ``unreadable`` alone (``is_empty``)."""
 
 
 class BatchSet(Dataset):
@@ -116,10 +132,23 @@ class BatchSet(Dataset):
         return len(self.batches)
 
     def __getitem__(self, i: int) -> Batch:
-        samples = [
-            load_sample(sample_path(self.data_dir, self.run_id, it.sample_id), self.dtype) for it in self.batches[i]
-        ]
-        return collate(samples, self.max_len, self.steps, self.align)
+        """The batch's samples packed; a sample whose file cannot be read is left out and named in ``unreadable``,
+        so the loader's worker processes hand the failure to the training loop instead of stopping it."""
+        samples, unreadable = [], []
+        for it in self.batches[i]:
+            path = sample_path(self.data_dir, self.run_id, it.sample_id)
+            try:
+                samples.append(load_sample(path, self.dtype))
+            except StoreError as e:
+                unreadable.append(Unreadable(it.index, it.sample_id, str(path), str(e)))
+        batch = collate(samples, self.max_len, self.steps, self.align) if samples else {}
+        batch["unreadable"] = tuple(unreadable)
+        return batch
+
+
+def is_empty(batch: Batch) -> bool:
+    """True when none of the batch's samples could be read: nothing to train or evaluate on."""
+    return "input_ids" not in batch
 
 
 def collate(

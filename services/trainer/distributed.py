@@ -14,6 +14,9 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    votes: dist.ProcessGroup | None = (
+        None  # a gloo group of the processes, for decisions taken on the host (``everywhere``)
+    )
 
     @property
     def main(self) -> bool:
@@ -30,7 +33,17 @@ def init_distributed() -> Dist:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
-    return Dist(rank, world, local, device)
+    votes = dist.new_group(backend="gloo") if world > 1 else None
+    return Dist(rank, world, local, device, votes)
+
+
+def everywhere(flag: bool, env: Dist) -> bool:
+    """True when ``flag`` is True in every process: a vote on the host (gloo), so no process waits for its GPU."""
+    if env.world == 1:
+        return flag
+    vote = torch.tensor([int(flag)])
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=env.votes)
+    return bool(vote.item())
 
 
 def distribute(objective: nn.Module, env: Dist) -> nn.Module:

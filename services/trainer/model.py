@@ -277,7 +277,7 @@ class CausalAttention:
     MATH_CELLS = 2**24  # scores per math block (x heads): 64 MiB of float32 at a time
 
     def __init__(self, impl: str, T: int, device: torch.device, documents: torch.Tensor | None = None) -> None:
-        self.impl, self.T, self.documents = impl, T, documents
+        self.impl, self.documents = impl, documents
         self.block_mask = causal_block_mask(T, device, documents) if impl == "flex" else None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,11 +287,14 @@ class CausalAttention:
             out, aux = _flex_attention()(q, k, v, block_mask=self.block_mask, enable_gqa=True,
                                          return_aux=AuxRequest(lse=True))  # fmt: skip
             return out, aux.lse
-        rows = max(1, self.MATH_CELLS // (self.T * q.shape[1]))
-        spans = [(lo, min(lo + rows, self.T)) for lo in range(0, self.T, rows)]
+        T = q.shape[2]
+        rows = max(1, self.MATH_CELLS // (T * q.shape[1]))
+        if rows >= T:  # one block: no loop over the length, so a compiled step does not specialize on it
+            return self.rows(q, k, v, 0, T)
+        spans = [(lo, min(lo + rows, T)) for lo in range(0, T, rows)]
         parts = [
             torch.utils.checkpoint.checkpoint(self.rows, q, k, v, lo, hi, use_reentrant=False)
-            if len(spans) > 1 and torch.is_grad_enabled()
+            if torch.is_grad_enabled()
             else self.rows(q, k, v, lo, hi)
             for lo, hi in spans
         ]

@@ -12,6 +12,8 @@ from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.model import Drafter, wide
 from eaglet.services.trainer.onpolicy import ChainReplay
 from eaglet.services.trainer.topk import draft_index, topk_terms
+from eaglet.services.trainer.unreadable import UnreadableSamples
+from eaglet.shared.store import StoreError
 
 
 class TTTObjective(nn.Module):
@@ -206,14 +208,16 @@ def objective_inputs(b: data.Batch) -> tuple:
 @torch.no_grad()
 def heldout_figures(
     objective: TTTObjective, items: list[data.Item], *, data_dir: Path, run_id: str, tokens_per_batch: int,
-    max_len: int, device: torch.device, rank: int = 0, world: int = 1,
+    max_len: int, device: torch.device, rank: int = 0, world: int = 1, unreadable: UnreadableSamples | None = None,
 ) -> dict:  # fmt: skip
     """The held-out figures of ``objective`` on ``items`` (a run's held-out split), the training's and any saved
     drafter's alike (``score``): the mean over the batches (fixed: seed 0, epoch 0) of the weighted TTT loss and of
     each step's accuracy, with ``samples`` and ``tokens`` (after the ``max_len`` cut) of the split. Across
     processes each evaluates every world-th batch and every process gets the whole split's figures. Without
     autograd: a graph kept alive by the running sums would hold every batch's activations until the end (on the
-    GPU, tens of GiB at the checkpoint of a small drafter)."""
+    GPU, tens of GiB at the checkpoint of a small drafter). A sample whose stored file cannot be read is left out,
+    noted by ``unreadable`` (the training's); without one it is an error (StoreError), as for a saved drafter's
+    score."""
     batches = data.make_batches(items, tokens_per_batch, 0, 0)[rank::world]
     was_training = objective.training
     objective.eval()
@@ -221,6 +225,13 @@ def heldout_figures(
     batch_set = data.BatchSet(batches, data_dir, run_id, states_dtype(device), max_len, objective.cfg.ttt_steps,
                               objective.cfg.loss_mask_align)  # fmt: skip
     for b in data.on_device(batch_set, device):
+        if unreadable is not None:
+            unreadable.note(b)
+        elif b["unreadable"]:
+            bad = b["unreadable"][0]
+            raise StoreError(f"held-out sample {bad.sample_id}: {bad.reason}")
+        if data.is_empty(b):
+            continue
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, _, acc = objective(*objective_inputs(b))
         sums += torch.cat([loss.float()[None], acc.float(), torch.ones(1, device=device)])

@@ -36,9 +36,10 @@ from torch import nn
 
 from eaglet.services.trainer import checkpoint as ckpt
 from eaglet.services.trainer import data, memory, onpolicy
+from eaglet.services.trainer.compiled import compile_objective, compile_on
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.curves import curves_dir
-from eaglet.services.trainer.distributed import Dist, distribute
+from eaglet.services.trainer.distributed import Dist, distribute, everywhere
 from eaglet.services.trainer.model import Drafter, DrafterConfig, drafter_config
 from eaglet.services.trainer.objective import (
     TTTObjective,
@@ -50,13 +51,14 @@ from eaglet.services.trainer.objective import (
 )
 from eaglet.services.trainer.optimizer import build_optimizer
 from eaglet.services.trainer.reporter import Reporter
+from eaglet.services.trainer.unreadable import UnreadableSamples
 from eaglet.services.trainer.vocab import build_vocab, count_tokens
 from eaglet.shared.keys import RunKeys
 from eaglet.shared.records import RunMeta, TrainProgress
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.series import TrainPoint
-from eaglet.shared.store import checkpoints_dir, drafter_dir, read_metadata, sample_path, samples_dir
+from eaglet.shared.store import StoreError, checkpoints_dir, drafter_dir, read_metadata, sample_path, samples_dir
 from eaglet.shared.target import model_config
 
 log = logging.getLogger(__name__)
@@ -86,13 +88,18 @@ def build_drafter(
 
 def captured_layers(meta: RunMeta, data_dir: Path, run_id: str, items: list[data.Item]) -> list[int]:
     """The layers the run's stored states were captured at: the run's record, set by its first dump; for a run
-    stored before that record existed, a stored sample's own metadata. RuntimeError when neither says."""
+    stored before that record existed, the first readable stored sample's own metadata (an unreadable one is the
+    loader's to report). RuntimeError when neither says."""
     if meta.captured_layers:
         return meta.captured_layers
-    for item in items[:1]:
-        raw = read_metadata(sample_path(data_dir, run_id, item.sample_id)).get("aux_layer_ids")
+    for item in items:
+        try:
+            raw = read_metadata(sample_path(data_dir, run_id, item.sample_id)).get("aux_layer_ids")
+        except StoreError:
+            continue
         if raw:
             return [int(i) for i in json.loads(raw)]
+        break
     raise RuntimeError(
         f"run {run_id}: the layers its hidden states were captured at are not known (neither the run nor its "
         "stored samples record them): the drafter's config would tell the engines to feed it other layers"
@@ -134,6 +141,7 @@ class Session:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     rep: Reporter
+    unreadable: UnreadableSamples  # the samples whose stored files could not be read, against the allowance
     total: int  # optimizer steps of the whole training
     step: int = 0
     epoch: int = 0
@@ -212,6 +220,7 @@ def start(
         train_items=train_items, held_items=held_items, aux_layer_ids=layers,
         draft_ids=draft_ids, objective=objective, model=distribute(objective, env), opt=opt, sched=sched,
         rep=Reporter(state, folder, curves, env.main), total=total,
+        unreadable=UnreadableSamples(run_id, state, len(train_items) + len(held_items), cfg.max_unreadable),
     )  # fmt: skip
     if saved is not None:
         resume(s, saved)
@@ -265,7 +274,7 @@ def make_objective(
         replay = onpolicy.ChainReplay(previous, cfg.onpolicy_weight, attention, cfg.loss_chunk)
     objective = place(TTTObjective(drafter, target_head, cfg, attention, oov, replay), env.device)
     objective.set_vocab(draft_ids.to(env.device))
-    return objective
+    return compile_objective(objective) if compile_on(cfg, env.device) else objective
 
 
 def check_memory(objective: TTTObjective, cfg: TrainConfig, env: Dist, longest: int) -> None:
@@ -310,9 +319,10 @@ def announce(s: Session, per_epoch: int) -> None:
     ))  # fmt: skip
     log.info(
         "run %s: training %d steps (%d a epoch), %d train / %d held-out samples, draft vocab %d, %d TTT steps, "
-        "%d process(es) on %s, attention %s",
+        "%d process(es) on %s, attention %s, %s",
         s.run_id, s.total, per_epoch, len(s.train_items), len(s.held_items), len(s.draft_ids),
         cfg.ttt_steps, env.world, env.device, s.objective.attention,
+        "compiled" if compile_on(cfg, env.device) else "eager",
     )  # fmt: skip
     s.rep.start_bar(s.total, s.step)
 
@@ -326,6 +336,11 @@ def train_epoch(s: Session) -> None:
     for batch in data.on_device(data.loader(batch_set, s.batch, s.cfg.loader_workers, pin=cuda), s.env.device):
         if s.step >= s.total:
             return
+        s.unreadable.note(batch)
+        # processes step in lock-step: a batch none of whose samples could be read is skipped by all of them
+        if not everywhere(not data.is_empty(batch), s.env):
+            s.batch += 1
+            continue
         train_step(s, batch)
         if s.step % s.cfg.checkpoint_every == 0 and s.step < s.total:
             checkpoint(s)
@@ -433,7 +448,7 @@ def heldout(s: Session) -> dict:
         return {}
     figures = heldout_figures(
         s.objective, s.held_items, data_dir=s.data_dir, run_id=s.run_id, tokens_per_batch=s.cfg.tokens_per_batch,
-        max_len=s.cfg.max_len, device=s.env.device, rank=s.env.rank, world=s.env.world,
+        max_len=s.cfg.max_len, device=s.env.device, rank=s.env.rank, world=s.env.world, unreadable=s.unreadable,
     )  # fmt: skip
     return {k: figures[k] for k in ("heldout_loss", "heldout_acc")}
 

@@ -125,3 +125,28 @@ def test_rows_that_would_pass_the_deadline_are_skipped_with_their_estimate(tmp_p
     skipped = rows(ts, "trainspeed")
     assert [r["outcome"] for r in skipped] == ["skipped", "skipped"]
     assert skipped[0]["why"].startswith("estimated ") and skipped[0]["why"].endswith(" s left")
+
+
+def test_the_compile_phase_interleaves_off_and_on_and_summarizes_their_spread(tmp_path, monkeypatch):
+    from eaglet.services.trainer import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")  # inductor's C++ builds: minutes on this CPU
+    ts = load(tmp_path, monkeypatch, TRAINSPEED_COMPILE_ROWS="tiny:64", TRAINSPEED_REPEATS="2",
+              TRAINSPEED_FLAGS="--ttt-steps 2 --loader-workers 0")  # fmt: skip
+    assert run(ts, monkeypatch, "trainspeed-compile") == 0
+    record = json.loads((ts.P.OUT / "trainspeed-compile.json").read_text())
+    runs = record["runs"]
+    assert [(r["compile"], r["repeat"], r["outcome"]) for r in runs] == [
+        ("off", 0, "measured"), ("on", 0, "measured"), ("off", 1, "measured"), ("on", 1, "measured")
+    ]  # fmt: skip
+    [summary] = record["summary"]
+    for mode in ("off", "on"):
+        speeds = sorted(r["tokens_per_s"] for r in runs if r["compile"] == mode)
+        m = summary[mode]
+        assert (m["runs"], m["min"], m["max"]) == (2, speeds[0], speeds[1])
+        assert m["median"] == pytest.approx(sum(speeds) / 2) and m["spread"] == pytest.approx(
+            (speeds[1] - speeds[0]) / m["median"], abs=1e-4
+        )
+    assert summary["on_over_off"] == pytest.approx(summary["on"]["median"] / summary["off"]["median"], abs=1e-3)
+    table = (ts.P.OUT / "trainspeed.md").read_text()
+    assert "## trainspeed-compile: `--compile off` against `on`" in table and "| tiny | 64 |" in table

@@ -22,7 +22,7 @@ from eaglet.services.trainer.distributed import Dist
 from eaglet.services.trainer.train import train
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet
-from eaglet.shared.store import checkpoints_dir, drafter_dir, samples_dir
+from eaglet.shared.store import checkpoints_dir, drafter_dir, sample_path, samples_dir
 from tests.trainer.fixtures import make_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,3 +86,29 @@ def test_two_processes_match_one_at_the_same_global_batch(redis, tmp_path, tiny_
     states = sorted(p.name for p in checkpoints_dir(tmp_path, "two").glob("*.pt"))
     assert len(states) == 2, states  # step 4 and the end, each written once
     print(f"two processes: {two_s:.1f} s")
+
+
+@pytest.mark.timeout(180)
+def test_a_batch_one_process_cannot_read_is_skipped_by_both_in_lock_step(redis, tmp_path, tiny_model_dir):
+    """One sample a batch and one sample's file truncated: the process that meets it has nothing to train on, and
+    both skip that step (a host-side vote) instead of one waiting for the other's gradients forever."""
+    make_run(redis, tmp_path, tiny_model_dir, "gap")
+    train_items, _ = data.split_items(SampleSet(samples_dir(tmp_path, "gap")), list(range(24)), 0.2)
+    path = sample_path(tmp_path, "gap", train_items[0].sample_id)
+    path.write_bytes(path.read_bytes()[:-100])
+    kw = redis.connection_pool.connection_kwargs
+    env = {**os.environ, "EAGLET_REDIS_URL": f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}",
+           "EAGLET_DATA_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "eaglet.services.trainer.main", "--run-id", "gap", "--model", str(tiny_model_dir),
+         "--tokens-per-batch=40", "--ttt-steps=2", "--draft-vocab-size=256", "--epochs=1", "--heldout-fraction=0.2",
+         "--loader-workers=1", "--max-unreadable=0.1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    state = RunState(redis, "gap")
+    progress = state.train()
+    assert state.stage() == Stage.done and progress.unreadable_samples == 1
+    assert [r["step"] for r in rows(tmp_path, "gap")] == list(range(1, progress.total_steps + 1))
+    assert train_items[0].sample_id in done.stderr and str(path) in done.stderr
