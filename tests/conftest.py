@@ -27,6 +27,17 @@ def redis(redis_server) -> Redis:
     conn.close()
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test: two cores are shared with other test runs, and one thread is deterministic."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     return resolve_model_dir("smollm2", MODEL_CACHE)

@@ -7,18 +7,11 @@ import json
 import sys
 
 import pytest
-import torch
 
 TINY_ENV = {"LOSSCURVE_SHAPE": "tiny", "LOSSCURVE_T": "64", "LOSSCURVE_STEPS": "5", "LOSSCURVE_SAMPLES": "4"}
 FLAGS = "--ttt-steps 2 --loader-workers 0 --compile off"
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def curves(tmp_path, monkeypatch, flags_b: str) -> tuple[dict, dict]:
