@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from .fp4 import decode_fp4, encode_fp4
 from .ids import check_id, fanout
 from .layout import FP4_STORAGE, Layout
-from .tensorfile import FileSlice, TensorFileError, read_header, row_blocks, write_tensors
+from .tensorfile import FileSlice, Header, TensorFileError, read_header, row_blocks, write_tensors
 from .topk import TOPK_TENSORS
 
 STATE_TENSORS = ("hidden_states", "aux_hidden_states")
@@ -52,7 +52,8 @@ def loss_rows(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 class StoreError(OSError):
-    """A sample file could not be written (disk full, permissions): the sample is retried, never half-stored."""
+    """A sample file could not be written (disk full, permissions: the sample is retried, never half-stored) or
+    read (absent, truncated, not a sample file)."""
 
 
 def run_dir(data_dir: Path, run_id: str) -> Path:
@@ -247,14 +248,25 @@ def write_sample(
     return size
 
 
+def _sample_file_header(path: Path) -> Header:
+    """A stored sample's header; StoreError saying what is wrong with a file that is absent, truncated or padded,
+    or not a sample file. The states a layout keeps are checked by who knows the layout (``stored_rows``)."""
+    try:
+        header = read_header(path)
+    except (OSError, TensorFileError) as e:
+        raise StoreError(f"{path}: missing or incomplete sample file ({e})") from e
+    missing = [k for k in ("input_ids", "loss_mask") if k not in header.slices]
+    if missing:
+        raise StoreError(f"{path}: not a sample file (no {', '.join(missing)})")
+    return header
+
+
 def sample_header(path: Path) -> tuple[dict[str, list[int]], dict[str, str]] | None:
     """Shapes and metadata of a stored sample, from its header alone; None if absent or unreadable."""
     try:
-        header = read_header(path)
-    except (OSError, TensorFileError):
-        return None  # absent, or truncated or padded: not a file we wrote
-    if any(k not in header.slices for k in ("input_ids", "loss_mask")):
-        return None  # the states a layout keeps are checked by who knows the layout (``stored_rows``)
+        header = _sample_file_header(path)
+    except StoreError:
+        return None
     return {k: list(s.shape) for k, s in header.slices.items()}, header.metadata
 
 
@@ -314,11 +326,4 @@ def open_sample(path: Path) -> dict[str, torch.Tensor]:
 def read_metadata(path: Path) -> dict[str, str]:
     """A stored sample's metadata; StoreError saying what is wrong with a file that is absent, truncated, or not
     a sample file."""
-    try:
-        header = read_header(path)
-    except (OSError, TensorFileError) as e:
-        raise StoreError(f"{path}: missing or incomplete sample file ({e})") from e
-    missing = [k for k in ("input_ids", "loss_mask") if k not in header.slices]
-    if missing:
-        raise StoreError(f"{path}: not a sample file (no {', '.join(missing)})")
-    return header.metadata
+    return _sample_file_header(path).metadata

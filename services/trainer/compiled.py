@@ -1,4 +1,5 @@
-"""The training step's drafter work compiled with torch.compile (``--compile``; on by default on a GPU).
+"""The training step's drafter work compiled with torch.compile (``--compile on``, or ``auto``: on a GPU; off by default
+until the GPU speed bench has measured what it pays).
 
 Why: a small drafter (SmolLM2-135M's, hidden 576) runs each TTT step as a few dozen small kernels, and the
 per-kernel overhead (the launches, the Python of every op and of autograd) is most of a step's time. Compiled,

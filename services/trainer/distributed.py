@@ -14,9 +14,8 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    votes: dist.ProcessGroup | None = (
-        None  # a gloo group of the processes, for decisions taken on the host (``everywhere``)
-    )
+    votes: dist.ProcessGroup | None = None
+    """A gloo group of the processes, for decisions taken on the host (``everywhere``)."""
 
     @property
     def main(self) -> bool:
