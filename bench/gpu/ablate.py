@@ -3,6 +3,8 @@ run's own drafter and records stay as they are. Wall time, tokens/s and torch's 
 
     python bench/gpu/ablate.py --run RUN --out DIR [trainer flags...]      (PROBE_OUT: where the JSON goes)
 
+A SIGTERM stops it at the next step with a checkpoint (exit 143); the same command resumes it from there.
+
 ABLATE_GPU_SHARE: the fraction of the GPU's memory this process may hold (0: no limit).
 
 The trainer flags are the trainer's own (``eaglet train --help``); the target is the run's model (``--model``).
@@ -18,6 +20,7 @@ import torch
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.distributed import init_distributed
 from eaglet.services.trainer.main import add_config_flags, config_from_args
+from eaglet.services.trainer.preemption import Preempted
 from eaglet.services.trainer.train import train
 from eaglet.shared.config import Settings
 from eaglet.shared.target import resolve_model_dir
@@ -39,8 +42,12 @@ def run() -> int:
         # and a recipe that needs more fails alone instead of starving the others
         torch.cuda.set_per_process_memory_fraction(share)
     t = time.time()
-    final = train(redis=None, run_id=args.run, data_dir=settings.data_dir, target_dir=target, cfg=cfg,
-                  env=init_distributed(), out_dir=args.out)  # fmt: skip
+    try:
+        final = train(redis=None, run_id=args.run, data_dir=settings.data_dir, target_dir=target, cfg=cfg,
+                      env=init_distributed(), out_dir=args.out)  # fmt: skip
+    except Preempted as e:  # the call's time is up: the checkpoint just written resumes it in the next call
+        print(e, flush=True)
+        return 143
     wall = time.time() - t
     cuda = torch.cuda.is_available()
     out = {

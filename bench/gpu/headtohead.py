@@ -349,6 +349,9 @@ def run_trainer(
     return run_trainers([(R, name, argv)], pythonpath, env, timeout, probe_dir)[0]
 
 
+STOP_GRACE_S = 15  # a stopped trainer's checkpoint, within the call's margin past its deadline
+
+
 def run_trainers(
     jobs: list[tuple[dict, str, list[str]]], pythonpath: str, env: dict, timeout: float, probe_dir: Path = P.OUT
 ) -> list[dict]:
@@ -364,18 +367,22 @@ def run_trainers(
         while len(ended) < len(jobs) and time.time() - t < timeout:
             ended |= {n: time.time() for _, n, _ in jobs if n not in ended and P.PROCS[n].poll() is not None}
             time.sleep(0.5)
-        for _, name, _ in jobs:  # those cut off, all at once (each stop below then waits for its own)
-            if name not in ended and P.PROCS[name].poll() is None:
-                os.killpg(P.PROCS[name].pid, signal.SIGTERM)
+        cut = [n for _, n, _ in jobs if n not in ended and P.PROCS[n].poll() is None]
+        for name in cut:  # all at once: each writes a checkpoint of its last step, then ends (exit 143)
+            os.killpg(P.PROCS[name].pid, signal.SIGTERM)
+        grace_end = time.time() + STOP_GRACE_S
+        while time.time() < grace_end and any(P.PROCS[n].poll() is None for n in cut):
+            time.sleep(0.2)
     for R, name, _ in jobs:
-        R["rc"] = P.PROCS[name].poll()
+        proc = P.PROCS[name]
+        P.stop(name, 0)  # what is left of it (the process group), at once
+        R["rc"] = proc.wait()
         if name not in ended:
             R["error"] = f"timed out after {timeout:.0f}s"
         R["wall_s"] = round(ended.get(name, time.time()) - t, 1)
         R["log_tail"] = P.tail(name, 40)
         if R["rc"] not in (0, None) and "error" not in R:
             R["error"] = f"exit {R['rc']}: {(R['log_tail'].splitlines() or [''])[-1][:300]}"
-        P.stop(name)
         R["peak_gpu_GiB"] = round(mem.peak_mib / 1024, 2)
         probe = probe_dir / f"{name}-probe.json"
         R["probe"] = json.loads(probe.read_text()) if probe.exists() else None

@@ -10,6 +10,7 @@ samples packed end to end (no padding), each a document of its own that attentio
 
 import hashlib
 import random
+import signal
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,7 +204,13 @@ def loader(batch_set: BatchSet, start: int, loader_workers: int, pin: bool = Fal
     ``pin``: in page-locked memory, so copying them to the GPU does not hold the host up."""
     subset = torch.utils.data.Subset(batch_set, range(start, len(batch_set)))
     return DataLoader(subset, batch_size=None, shuffle=False, num_workers=loader_workers, persistent_workers=False,
-                      pin_memory=pin)  # fmt: skip
+                      pin_memory=pin, worker_init_fn=ignore_sigterm)  # fmt: skip
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """A loader worker outlives a SIGTERM sent to the trainer's whole process group: the trainer, stopping at its
+    next step (``preemption.py``), still reads from it, then ends it itself (and torch ends it if the trainer dies)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def on_device(batches: Iterable[Batch], device: torch.device) -> Iterator[Batch]:

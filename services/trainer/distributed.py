@@ -36,13 +36,14 @@ def init_distributed() -> Dist:
     return Dist(rank, world, local, device, votes)
 
 
-def everywhere(flag: bool, env: Dist) -> bool:
-    """True when ``flag`` is True in every process: a vote on the host (gloo), so no process waits for its GPU."""
+def everywhere(flags: list[bool], env: Dist) -> list[bool]:
+    """Each flag True in every process: one vote on the host (gloo) for all of them, so no process waits for its
+    GPU."""
     if env.world == 1:
-        return flag
-    vote = torch.tensor([int(flag)])
+        return flags
+    vote = torch.tensor([int(f) for f in flags])
     dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=env.votes)
-    return bool(vote.item())
+    return [bool(v) for v in vote.tolist()]
 
 
 def distribute(objective: nn.Module, env: Dist) -> nn.Module:

@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.distributed import Dist, init_distributed
+from eaglet.services.trainer.preemption import Preempted
 from eaglet.services.trainer.train import train
 from eaglet.shared import gpustats
 from eaglet.shared.config import Settings
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.warning("run %s: interrupted; the newest checkpoint resumes it", args.run)
         return 130
+    except Preempted as e:  # SIGTERM: the run stays in its stage, for a rerun to resume
+        log.warning("%s", e)
+        return 143
     except Exception as e:
         log.error("run %s: training failed", args.run, exc_info=True)
         if rank0:

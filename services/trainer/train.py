@@ -50,6 +50,7 @@ from eaglet.services.trainer.objective import (
     states_dtype,
 )
 from eaglet.services.trainer.optimizer import build_optimizer
+from eaglet.services.trainer.preemption import Preempted, StopOnSignal
 from eaglet.services.trainer.reporter import Reporter
 from eaglet.services.trainer.unreadable import UnreadableSamples
 from eaglet.services.trainer.vocab import build_vocab, count_tokens
@@ -143,6 +144,7 @@ class Session:
     rep: Reporter
     unreadable: UnreadableSamples  # the samples whose stored files could not be read, against the allowance
     total: int  # optimizer steps of the whole training
+    stop: StopOnSignal = field(default_factory=StopOnSignal)  # a SIGTERM asks for a checkpoint and the end
     step: int = 0
     epoch: int = 0
     batch: int = 0  # batches of the epoch done: where a resumed epoch starts
@@ -166,11 +168,14 @@ def train(
     Returns the final figures (also in the Redis hash, when given one).
 
     ``out_dir``: another drafter from the same extraction (a recipe compared with the run's own): its checkpoints,
-    curves and drafter go to ``out_dir/{checkpoints,curves,drafter}`` and the run's own stay as they are."""
+    curves and drafter go to ``out_dir/{checkpoints,curves,drafter}`` and the run's own stay as they are.
+
+    A SIGTERM ends it at the next step with a checkpoint: ``Preempted`` (``preemption.py``)."""
     s = start(redis, run_id, Path(data_dir), Path(target_dir), cfg, env, out_dir)
     try:
-        while s.step < s.total:
-            train_epoch(s)
+        with s.stop:
+            while s.step < s.total:
+                train_epoch(s)
         final = finish(s)
     finally:
         s.rep.close()
@@ -337,8 +342,12 @@ def train_epoch(s: Session) -> None:
         if s.step >= s.total:
             return
         s.unreadable.note(batch)
-        # processes step in lock-step: a batch none of whose samples could be read is skipped by all of them
-        if not everywhere(not data.is_empty(batch), s.env):
+        # processes step in lock-step: a batch none of whose samples could be read is skipped by all of them, and
+        # a stop asked of any of them stops all of them before the same step
+        readable, go_on = everywhere([not data.is_empty(batch), not s.stop.requested], s.env)
+        if not go_on:
+            stop_here(s)
+        if not readable:
             s.batch += 1
             continue
         train_step(s, batch)
@@ -415,6 +424,17 @@ def checkpoint(s: Session) -> dict:
     figures = heldout(s)
     s.rep.heldout(s.step, figures)
     return {"last_checkpoint": str(path), **figures} if path is not None else figures
+
+
+def stop_here(s: Session) -> None:
+    """A stop asked between steps: the steps done so far saved as a checkpoint (no held-out pass: a stop is
+    usually given a few seconds), then ``Preempted``."""
+    read_figures(s)
+    path = save(s) if s.env.main else None
+    if s.env.world > 1:
+        dist.barrier()  # no process ends while rank 0 still writes
+    where = f"; {path} resumes it" if path is not None else ""
+    raise Preempted(f"run {s.run_id}: stopped on request at step {s.step} of {s.total}{where}")
 
 
 def save(s: Session) -> Path:

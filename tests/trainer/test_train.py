@@ -108,13 +108,7 @@ def test_resume_after_kill_continues_the_same_curve(redis, tmp_path, tiny_model_
     train(redis=redis, run_id="ref", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(**cfg), env=Dist())
     reference = curve(tmp_path, "ref")
 
-    env = {**os.environ, "EAGLET_REDIS_URL": _url(redis), "EAGLET_DATA_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
-           "EAGLET_HEARTBEAT_INTERVAL_S": "0.2"}  # fmt: skip
-    args = ["--run", "kill", "--model", str(tiny_model_dir), "--loader-workers", "0", "--draft-vocab-size", "512",
-            "--tokens-per-batch", "100", "--ttt-steps", "3", "--lr", "3e-3", "--warmup-ratio", "0.1",
-            "--heldout-fraction", "0.1", "--epochs", "40", "--checkpoint-every", "7"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "eaglet.services.trainer.main", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = trainer_process(redis, tmp_path, tiny_model_dir, "kill", checkpoint_every=7, loader_workers=0)
     folder = checkpoints_dir(tmp_path, "kill")
     deadline = time.time() + 120
     state = RunState(redis, "kill")
@@ -143,6 +137,56 @@ def test_resume_after_kill_continues_the_same_curve(redis, tmp_path, tiny_model_
     got = curve(tmp_path, "kill")
     assert sorted(got) == sorted(reference)
     for step in range(resumed_from + 1, total + 1):
+        assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (step, got, reference)
+
+
+def trainer_process(
+    redis, data_dir: Path, model_dir: Path, run: str, checkpoint_every: int, loader_workers: int
+) -> subprocess.Popen:
+    """The trainer's entry point as its own process (and process group) on the tiny run, 40 epochs; its log in
+    ``data_dir/<run>.log``."""
+    env = {**os.environ, "EAGLET_REDIS_URL": _url(redis), "EAGLET_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "1",
+           "EAGLET_HEARTBEAT_INTERVAL_S": "0.2"}  # fmt: skip
+    args = ["--run", run, "--model", str(model_dir), "--loader-workers", str(loader_workers),
+            "--draft-vocab-size", "512", "--tokens-per-batch", "100", "--ttt-steps", "3", "--lr", "3e-3",
+            "--warmup-ratio", "0.1", "--heldout-fraction", "0.1", "--epochs", "40",
+            "--checkpoint-every", str(checkpoint_every)]  # fmt: skip
+    with (data_dir / f"{run}.log").open("wb") as log:  # the child writes to its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "eaglet.services.trainer.main", *args], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_checkpoints_the_last_step_and_the_rerun_resumes_there(redis, tmp_path, tiny_model_dir):
+    """A SIGTERM to the trainer's process group (its loader's workers included) ends it at the next step with a
+    checkpoint of that step, not at the checkpoint before; the rerun continues the same curve from there."""
+    make_run(redis, tmp_path, tiny_model_dir, "ref")
+    make_run(redis, tmp_path, tiny_model_dir, "term")
+    cfg = dict(epochs=40, checkpoint_every=1000, tokens_per_batch=100)
+    train(redis=redis, run_id="ref", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(**cfg), env=Dist())
+    reference = curve(tmp_path, "ref")
+
+    # no regular checkpoint in the whole training: the only one is the stop's
+    proc = trainer_process(redis, tmp_path, tiny_model_dir, "term", checkpoint_every=1000, loader_workers=2)
+    metrics = checkpoints_dir(tmp_path, "term") / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text()) and proc.poll() is None:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(60)
+    err = (tmp_path / "term.log").read_text()
+    assert proc.returncode == 143, err[-2000:]
+    states = list_states(checkpoints_dir(tmp_path, "term"))
+    assert len(states) == 1, states
+    stopped_at = int(states[0].stem.split("_")[1])
+    assert 0 < stopped_at < max(reference)
+    assert f"stopped on request at step {stopped_at} of {max(reference)}" in err
+    assert RunState(redis, "term").stage() == Stage.training  # not failed: a rerun resumes it
+
+    train(redis=redis, run_id="term", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(**cfg), env=Dist())
+    got = curve(tmp_path, "term")
+    assert sorted(got) == sorted(reference)
+    for step in range(stopped_at + 1, max(reference) + 1):
         assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (step, got, reference)
 
 
