@@ -150,14 +150,15 @@ def recipes(results: dict, rows: list[dict]) -> list[dict]:
     sf = {r["prompt_set"]: r["specforge"]["accept_length"] for r in rows if r["chain"] == chain}
     ev = results.get("h2h-eval", {}).get("eaglet", {}).get(chain, {})
     eaglet = results.get("h2h-eaglet", {})
-    default = {"name": "default", "flags": "", "train": {"wall_s": eaglet.get("wall_s"), "probe": eaglet.get("probe")},
+    default = {"name": "h2h-eaglet", "flags": "",
+               "train": {"wall_s": eaglet.get("wall_s"), "probe": eaglet.get("probe")},
                "score": results.get("h2h-score", {}).get("drafters", {}).get("eaglet"), "eval": ev}  # fmt: skip
     out = []
     ran = [default] if eaglet else []  # the head-to-head's own default drafter, where this run trained one
     for r in [*ran, *({"name": n, **rec} for n, rec in results[ABLATED].items())]:
         e, t, final = r.get("eval") or {}, r.get("train") or {}, ((r.get("train") or {}).get("probe") or {})
         row = {"name": r["name"], "flags": r.get("flags"), "wall_s": t.get("wall_s"), "error": t.get("error"),
-               "trained_beside": t.get("trained_beside"),
+               "trained_beside": t.get("trained_beside"), "as_run": as_run(final.get("config")),
                "steps": number((final.get("final") or final.get("train_hash") or {}).get("step")),
                "heldout_acc": (r.get("score") or {}).get("heldout_acc")}  # fmt: skip
         for pset, theirs in sf.items():
@@ -166,6 +167,15 @@ def recipes(results: dict, rows: list[dict]) -> list[dict]:
                          "accept_rate_per_position": (e.get(pset) or {}).get("accept_rate_per_position")}  # fmt: skip
         out.append(row)
     return out
+
+
+def as_run(config: dict | None) -> str:
+    """The recipe's settings that the default recipe changed on 2026-12-02 (learning rate, norm before fc, noise on
+    the auxiliary states), as the trainer resolved them: a recipe's flags are changes from the default of its day."""
+    if not config:
+        return "—"
+    norm = "norm" if config.get("norm_before_fc") else "no norm"
+    return f"lr {config.get('lr'):g}, {norm}, noise {config.get('aux_noise'):g}"
 
 
 def run_figures(ev: dict, chain: str, pset: str) -> dict:
@@ -235,17 +245,22 @@ def markdown(s: dict) -> str:
                   f"at {fmt(rep['same_text'].get('first_difference_share_median'))} of the text)."]  # fmt: skip
     if s["recipes"]:
         sets = [k for k in s["recipes"][0] if isinstance(s["recipes"][0][k], dict)]
-        lines += ["", "eaglet's recipes (each one change from the default but `combo`), same data and SGLang build "
-                  "(accept length at the first chain, its ratio to SpecForge's):", "",
-                  "| recipe | flags | " + "".join(f"{p} accept length (÷ SpecForge) | " for p in sets)
+        lines += ["", "eaglet's recipes, same data and SGLang build (accept length at the first chain, its ratio to "
+                  "SpecForge's; flags: the changes from the trainer's default when the recipe ran, `as run` its "
+                  "resolved learning rate, norm before fc and noise):", "",
+                  "| recipe | flags | as run | "
+                  + "".join(f"{p} accept length (÷ SpecForge); per position | " for p in sets)
                   + "held-out accuracy per position | steps | wall s (recipes trained beside it) |",
-                  "|---|---|" + "---|" * len(sets) + "---|---|---|"]  # fmt: skip
+                  "|---|---|---|" + "---|" * len(sets) + "---|---|---|"]  # fmt: skip
         for r in s["recipes"]:
-            cells = "".join(f"{fmt(r[p]['accept_length'], 3)} ({fmt(r[p]['ratio_to_specforge'], 3)}) | " for p in sets)
+            cells = "".join(f"{fmt(r[p]['accept_length'], 3)} ({fmt(r[p]['ratio_to_specforge'], 3)}); "
+                            f"{rates(r[p]['accept_rate_per_position'])} | " for p in sets)  # fmt: skip
             note = f" ({' '.join(str(r['error']).split())[:80]})" if r.get("error") else ""
             beside = f" ({r['trained_beside']})" if r.get("trained_beside") else ""
-            lines.append(f"| {r['name']}{note} | {r['flags'] or '—'} | {cells}{rates(r['heldout_acc'])} | "
-                         f"{fmt(r['steps'])} | {fmt(r['wall_s'], 1)}{beside} |")  # fmt: skip
+            lines.append(
+                f"| {r['name']}{note} | {r['flags'] or '—'} | {r['as_run']} | {cells}"
+                f"{rates(r['heldout_acc'])} | {fmt(r['steps'])} | {fmt(r['wall_s'], 1)}{beside} |"
+            )
     lines += ["", "Held-out accuracy per draft position (eaglet's scorer, the same held-out samples for both):", "",
               "| drafter | samples | tokens | accuracy per position | loss |", "|---|---|---|---|---|"]  # fmt: skip
     for d, h in s["heldout"].items():

@@ -50,7 +50,7 @@ class TrainConfig:
     epochs: int = 10
     """Full passes over the training split (when max_steps is 0). With ``tokens_per_batch`` 2048 a typical sample
     (1-4K tokens) is about one step per epoch: as many updates per sample as SpecForge's published recipe
-    (batch 1 per GPU, 10 epochs, lr 1e-4). bench/recipe.py: more updates per sample, better held-out accuracy."""
+    (batch 1 per GPU, 10 epochs). bench/recipe.py: more updates per sample, better held-out accuracy."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: ``epochs`` full passes). The schedule spans the total either way."""
     tokens_per_batch: int = 2048
@@ -58,8 +58,10 @@ class TrainConfig:
     budget, each attending only to itself (a longer one trains alone)."""
     max_len: int = 8192
     """Longer samples are cut to this many tokens."""
-    lr: float = 1e-4
-    """Peak learning rate, reached after the warmup, then cosine decay."""
+    lr: float = 1e-3
+    """Peak learning rate, reached after the warmup, then cosine decay. 1e-3 with ``norm_before_fc`` and ``aux_noise``
+    is the default recipe: on the head-to-head's data (SmolLM2-135M, 2 epochs) it accepts 1.18x the length of the
+    drafter trained at 1e-4, SpecForge's default (bench/results/gpu-headtohead.md, the recipes' table)."""
     optimizer: Optimizer = "adamw"
     """adamw | muon: Muon for the drafter's matrices (fc, its layer's projections), AdamW for the LM head and the
     norms, the Muon update scaled to AdamW's RMS so the same learning rate serves (vLLM speculators' default)."""
@@ -85,9 +87,10 @@ class TrainConfig:
     """math (scores materialized: short samples, CPU) | flex (block-sparse, O(T * steps) memory) | auto: flex on GPU."""
     init_from_target: bool = True
     """Start lm_head from the target's LM head rows of the draft vocabulary and norm from its final norm."""
-    norm_before_fc: bool = False
+    norm_before_fc: bool = True
     """An RMSNorm over the concatenated auxiliary states before fc (written to config.json as ``norm_before_fc``,
-    which SGLang and vLLM load)."""
+    which SGLang and vLLM load): the three layers' states differ in scale by orders of magnitude. On the
+    head-to-head's data it adds 5 to 9 % to the accept length at either learning rate."""
     loss_chunk: int = 4096
     """Loss rows per chunk. A TTT step with more computes its loss chunk by chunk, recomputing each chunk's logits in
     the backward pass instead of keeping rows x draft vocabulary tensors (one more LM-head forward); the target's
@@ -104,9 +107,10 @@ class TrainConfig:
     """The device memory to plan for, in GiB: before its first step the trainer refuses rows (max_len,
     tokens_per_batch) that the memory rule (the trainer's memory.py) says would not fit, saying what
     would. 0: on a GPU what it has free; on the CPU no check."""
-    aux_noise: float = 0.0
+    aux_noise: float = 0.05
     """Uniform noise in [-a, a] added to the auxiliary states while training (never to held-out figures): the
-    drafter meets the engine's states, computed in other batches, not the stored ones. speculators uses 0.05."""
+    drafter meets the engine's states, computed in other batches, not the stored ones (speculators' default; 0: off).
+    On the head-to-head's data +0.4 to +1.2 % accept length; never worse."""
     onpolicy_from: str = ""
     """An on-policy round (the trainer's onpolicy.py): the previous round's drafter folder (SGLang's format: a run's
     drafter/, or another trainer's), which the training starts from, weights and draft vocabulary, weighting by

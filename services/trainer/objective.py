@@ -28,6 +28,9 @@ class TTTObjective(nn.Module):
         super().__init__()
         self.drafter, self.cfg, self.attention, self.oov = drafter, cfg, attention, oov
         self.replay = replay  # an on-policy round's previous drafter: its rejections weight the training loss
+        # the seed of the next training forward's noise on the auxiliary states (cfg.aux_noise): the trainer sets it
+        # for each step and process, so a resumed training draws the noise one never stopped would have
+        self.noise_seed = cfg.seed
         self.register_buffer("target_head", target_head, persistent=False)  # [V, H], frozen
         self.register_buffer("draft_ids", torch.zeros(drafter.cfg.draft_vocab_size, dtype=torch.long), persistent=False)
 
@@ -123,8 +126,10 @@ class TTTObjective(nn.Module):
         first_misses = (self.replay.first_misses(input_ids, aux_hidden_states, steps, position_ids, document_ids)
                         if self.replay is not None and self.training else None)  # fmt: skip
         if self.training and self.cfg.aux_noise > 0:
+            noise = torch.Generator(aux_hidden_states.device)
+            noise.manual_seed(self.noise_seed)
             aux_hidden_states = aux_hidden_states + torch.empty_like(aux_hidden_states).uniform_(
-                -self.cfg.aux_noise, self.cfg.aux_noise
+                -self.cfg.aux_noise, self.cfg.aux_noise, generator=noise
             )
         outs = self.drafter.unroll(input_ids, aux_hidden_states, steps, self.attention,
                                    checkpoint=self.cfg.checkpoint_steps and self.training,

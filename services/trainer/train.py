@@ -360,6 +360,7 @@ def train_step(s: Session, b: data.Batch) -> None:
     """One optimizer step on one batch (on the device), recorded in metrics.jsonl and reported every ``log_every``
     steps. Its figures stay on the device until then: the host queues the next step while this one runs."""
     env = s.env
+    s.objective.noise_seed = (s.cfg.seed << 32) + s.step * env.world + env.rank  # the step's own, in every run
     with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
         loss, losses, accs = s.model(*objective_inputs(b))
     s.opt.zero_grad(set_to_none=True)

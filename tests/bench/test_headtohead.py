@@ -182,13 +182,15 @@ def test_report_shows_each_evaluation_call_side_by_side(tmp_path):
 def test_report_lists_each_recipe_beside_the_default_with_its_ratio_to_specforge(tmp_path):
     _write_phases(tmp_path)
     recipe = {"flags": "--aux-noise 0.05",
-              "train": {"wall_s": 180.0, "trained_beside": 6, "probe": {"final": {"step": "1666"}}},
+              "train": {"wall_s": 180.0, "trained_beside": 6,
+                        "probe": {"final": {"step": "1666"}, "config": {"lr": 1e-3, "norm_before_fc": True,
+                                                                        "aux_noise": 0.05}}},
               "score": {"heldout_acc": [0.41, 0.35]},
               "eval": {"humaneval": {"accept_length": 2.2, "accept_rate_per_position": [0.5, 0.2]}}}  # fmt: skip
     (tmp_path / "h2h-ablations.json").write_text(json.dumps({"noise": recipe, "lr": {"train": {"error": "boom"}}}))
     s = h2hreport.write(tmp_path, tmp_path / "results")
     names = [r["name"] for r in s["recipes"]]
-    assert names == ["default", "noise", "lr"]
+    assert names == ["h2h-eaglet", "noise", "lr"]  # the head-to-head's own drafter first
     noise = s["recipes"][1]
     assert noise["humaneval"] == {
         "accept_length": 2.2,
@@ -197,5 +199,8 @@ def test_report_lists_each_recipe_beside_the_default_with_its_ratio_to_specforge
     }
     assert s["recipes"][0]["humaneval"]["ratio_to_specforge"] == 1.05 and noise["steps"] == 1666
     md = (tmp_path / "results" / "gpu-headtohead.md").read_text()
-    assert "| noise | --aux-noise 0.05 | 2.200 (1.100) | 0.41 / 0.35 | 1,666 | 180.0 (6) |" in md
+    assert (
+        "| noise | --aux-noise 0.05 | lr 0.001, norm, noise 0.05 | 2.200 (1.100); 0.50 / 0.20 | 0.41 / 0.35 | "
+        "1,666 | 180.0 (6) |"
+    ) in md
     assert "| lr (boom) |" in md

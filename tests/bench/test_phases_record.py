@@ -78,3 +78,39 @@ def test_a_recipe_from_another_recipes_drafter_waits_for_that_one(tmp_path, monk
     assert H.drafter_flags(flags, trained) == (["--onpolicy-from", "recipes/base/drafter", "--epochs", "1"], None)
     with pytest.raises(ValueError, match="@nobody, which is no recipe"):
         H.drafter_flags("--onpolicy-from @nobody", trained)
+
+
+STOPPABLE = """
+import signal, sys, time
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+while not stop:
+    time.sleep(0.05)
+open(sys.argv[1], "w").write("checkpoint")  # what a trainer writes between its SIGTERM and its end
+sys.exit(143)
+"""
+
+
+def test_trainers_cut_off_by_the_deadline_are_stopped_together_and_waited_for(tmp_path, monkeypatch):
+    """At the call's end every trainer still running gets SIGTERM at once and the grace to write its checkpoint;
+    one that ignores it is killed when the grace is over, and each record says how it ended."""
+    P = load_phases(tmp_path, monkeypatch)
+    import headtohead
+
+    H = importlib.reload(headtohead)
+    P.LOGS.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(H, "STOP_GRACE_S", 3)
+    monkeypatch.setenv("GPUBENCH_DEADLINE_S", "1e9")
+    done = tmp_path / "checkpoint"
+    jobs = [
+        ({}, "stoppable", [sys.executable, "-c", STOPPABLE, str(done)]),
+        ({}, "stubborn", [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "time.sleep(60)"]),
+        ({}, "quick", [sys.executable, "-c", "pass"]),
+    ]  # fmt: skip
+    records = H.run_trainers(jobs, "", {}, timeout=2, probe_dir=tmp_path)
+    stoppable, stubborn, quick = records
+    assert done.read_text() == "checkpoint"
+    assert stoppable["rc"] == 143 and stoppable["error"] == "timed out after 2s"
+    assert stubborn["rc"] == -9 and stubborn["wall_s"] < 2 + 3 + 5
+    assert quick["rc"] == 0 and "error" not in quick

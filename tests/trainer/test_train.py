@@ -202,6 +202,7 @@ def test_checkpoint_names_and_shapes_are_what_sglang_and_vllm_load(redis, tmp_pa
     d = H // heads
     expected = {
         "fc.weight": [H, 3 * H],
+        "input_norm.weight": [3 * H],  # the default recipe's norm before fc (SGLang's and vLLM's name)
         "midlayer.hidden_norm.weight": [H],
         "midlayer.input_layernorm.weight": [H],
         "midlayer.self_attn.q_proj.weight": [heads * d, 2 * H],
