@@ -60,4 +60,4 @@ def test_the_same_trainer_agrees_with_itself_and_a_change_is_caught_where_it_sta
 def test_records_of_other_settings_do_not_compare(tmp_path, monkeypatch):
     a, b = curves(tmp_path, monkeypatch, FLAGS + " --lr 3e-4")
     rc, result = compare(tmp_path, a, b)
-    assert rc == 2 and result == {"comparable": False, "why": "config lr: 0.0001 against 0.0003"}
+    assert rc == 2 and result == {"comparable": False, "why": "config lr: 0.001 against 0.0003"}

@@ -60,7 +60,12 @@ def test_aux_noise_changes_training_forwards_but_not_heldout_figures(redis, tmp_
     a, b = objective(ids, mask, hidden, aux)[0], objective(ids, mask, hidden, aux)[0]
     assert torch.equal(a, b)
     objective.train()
-    assert not torch.equal(objective(ids, mask, hidden, aux)[0], objective(ids, mask, hidden, aux)[0])
+    objective.noise_seed = 1
+    noisy = objective(ids, mask, hidden, aux)[0]
+    assert not torch.equal(noisy, a)
+    assert torch.equal(noisy, objective(ids, mask, hidden, aux)[0])  # a step's noise is its seed's: resumable
+    objective.noise_seed = 2  # the next step's
+    assert not torch.equal(noisy, objective(ids, mask, hidden, aux)[0])
     with pytest.raises(ValueError, match="aux_noise"):
         TrainConfig(aux_noise=-0.1)
 

@@ -102,12 +102,7 @@ def test_partial_run_trains_only_when_told(redis, tmp_path, tiny_model_dir, monk
 
 @pytest.mark.timeout(300)
 def test_resume_after_kill_continues_the_same_curve(redis, tmp_path, tiny_model_dir):
-    make_run(redis, tmp_path, tiny_model_dir, "ref")
-    make_run(redis, tmp_path, tiny_model_dir, "kill")
-    cfg = dict(epochs=40, checkpoint_every=7, tokens_per_batch=100)
-    train(redis=redis, run_id="ref", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(**cfg), env=Dist())
-    reference = curve(tmp_path, "ref")
-
+    cfg, reference = trained_reference(redis, tmp_path, tiny_model_dir, "kill", checkpoint_every=7)
     proc = trainer_process(redis, tmp_path, tiny_model_dir, "kill", checkpoint_every=7, loader_workers=0)
     folder = checkpoints_dir(tmp_path, "kill")
     deadline = time.time() + 120
@@ -130,13 +125,30 @@ def test_resume_after_kill_continues_the_same_curve(redis, tmp_path, tiny_model_
     states = list_states(folder)
     assert states, "no checkpoint before the kill"
     resumed_from = int(states[-1].stem.split("_")[1])
-    total = max(reference)
-    assert 0 < resumed_from < total
+    assert 0 < resumed_from < max(reference)
+    assert_resumes_the_curve(redis, tmp_path, tiny_model_dir, "kill", cfg, reference, resumed_from)
 
-    train(redis=redis, run_id="kill", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(**cfg), env=Dist())
-    got = curve(tmp_path, "kill")
+
+def trained_reference(
+    redis, data_dir: Path, model_dir: Path, run: str, checkpoint_every: int
+) -> tuple[TrainConfig, dict[int, float]]:
+    """The tiny run ``run`` and its twin "ref", "ref" trained through in this process (40 epochs, as
+    ``trainer_process``): the config, and the loss curve an interrupted ``run`` must come back to."""
+    make_run(redis, data_dir, model_dir, "ref")
+    make_run(redis, data_dir, model_dir, run)
+    cfg = small(epochs=40, checkpoint_every=checkpoint_every, tokens_per_batch=100)
+    train(redis=redis, run_id="ref", data_dir=data_dir, target_dir=model_dir, cfg=cfg, env=Dist())
+    return cfg, curve(data_dir, "ref")
+
+
+def assert_resumes_the_curve(
+    redis, data_dir: Path, model_dir: Path, run: str, cfg: TrainConfig, reference: dict[int, float], start: int
+) -> None:
+    """``run``, interrupted at step ``start``, trained again: every later step's loss is the reference's."""
+    train(redis=redis, run_id=run, data_dir=data_dir, target_dir=model_dir, cfg=cfg, env=Dist())
+    got = curve(data_dir, run)
     assert sorted(got) == sorted(reference)
-    for step in range(resumed_from + 1, total + 1):
+    for step in range(start + 1, max(reference) + 1):
         assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (step, got, reference)
 
 
@@ -160,12 +172,7 @@ def trainer_process(
 def test_sigterm_checkpoints_the_last_step_and_the_rerun_resumes_there(redis, tmp_path, tiny_model_dir):
     """A SIGTERM to the trainer's process group (its loader's workers included) ends it at the next step with a
     checkpoint of that step, not at the checkpoint before; the rerun continues the same curve from there."""
-    make_run(redis, tmp_path, tiny_model_dir, "ref")
-    make_run(redis, tmp_path, tiny_model_dir, "term")
-    cfg = dict(epochs=40, checkpoint_every=1000, tokens_per_batch=100)
-    train(redis=redis, run_id="ref", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(**cfg), env=Dist())
-    reference = curve(tmp_path, "ref")
-
+    cfg, reference = trained_reference(redis, tmp_path, tiny_model_dir, "term", checkpoint_every=1000)
     # no regular checkpoint in the whole training: the only one is the stop's
     proc = trainer_process(redis, tmp_path, tiny_model_dir, "term", checkpoint_every=1000, loader_workers=2)
     metrics = checkpoints_dir(tmp_path, "term") / "metrics.jsonl"
@@ -182,12 +189,7 @@ def test_sigterm_checkpoints_the_last_step_and_the_rerun_resumes_there(redis, tm
     assert 0 < stopped_at < max(reference)
     assert f"stopped on request at step {stopped_at} of {max(reference)}" in err
     assert RunState(redis, "term").stage() == Stage.training  # not failed: a rerun resumes it
-
-    train(redis=redis, run_id="term", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=small(**cfg), env=Dist())
-    got = curve(tmp_path, "term")
-    assert sorted(got) == sorted(reference)
-    for step in range(stopped_at + 1, max(reference) + 1):
-        assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (step, got, reference)
+    assert_resumes_the_curve(redis, tmp_path, tiny_model_dir, "term", cfg, reference, stopped_at)
 
 
 def test_checkpoint_names_and_shapes_are_what_sglang_and_vllm_load(redis, tmp_path, tiny_model_dir):
