@@ -60,8 +60,9 @@ class TrainConfig:
     """Longer samples are cut to this many tokens."""
     lr: float = 1e-3
     """Peak learning rate, reached after the warmup, then cosine decay. 1e-3 with ``norm_before_fc`` and ``aux_noise``
-    is the default recipe: on the head-to-head's data (SmolLM2-135M, 2 epochs) it accepts 1.18x the length of the
-    drafter trained at 1e-4, SpecForge's default (bench/results/gpu-headtohead.md, the recipes' table)."""
+    is the default recipe: on the head-to-head's data (SmolLM2-135M, 2 epochs, one H200) it accepts 1.18x
+    (HumanEval) and 1.24x (held-out prompts) the length of the drafter trained at 1e-4, SpecForge's default
+    (bench/results/gpu-headtohead.md, the recipes' table)."""
     optimizer: Optimizer = "adamw"
     """adamw | muon: Muon for the drafter's matrices (fc, its layer's projections), AdamW for the LM head and the
     norms, the Muon update scaled to AdamW's RMS so the same learning rate serves (vLLM speculators' default)."""
@@ -90,7 +91,8 @@ class TrainConfig:
     norm_before_fc: bool = True
     """An RMSNorm over the concatenated auxiliary states before fc (written to config.json as ``norm_before_fc``,
     which SGLang and vLLM load): the three layers' states differ in scale by orders of magnitude. On the
-    head-to-head's data it adds 5 to 9 % to the accept length at either learning rate."""
+    head-to-head's data it adds 3 to 9 % to the accept length at either learning rate, decoded by SGLang 0.5.17 on
+    an H200; that vLLM loads it was read from vLLM's source when the option was added, not run yet."""
     loss_chunk: int = 4096
     """Loss rows per chunk. A TTT step with more computes its loss chunk by chunk, recomputing each chunk's logits in
     the backward pass instead of keeping rows x draft vocabulary tensors (one more LM-head forward); the target's
@@ -110,7 +112,7 @@ class TrainConfig:
     aux_noise: float = 0.05
     """Uniform noise in [-a, a] added to the auxiliary states while training (never to held-out figures): the
     drafter meets the engine's states, computed in other batches, not the stored ones (speculators' default; 0: off).
-    On the head-to-head's data +0.4 to +1.2 % accept length; never worse."""
+    On the head-to-head's data +0.2 to +1.1 % accept length; never worse."""
     onpolicy_from: str = ""
     """An on-policy round (the trainer's onpolicy.py): the previous round's drafter folder (SGLang's format: a run's
     drafter/, or another trainer's), which the training starts from, weights and draft vocabulary, weighting by
