@@ -60,6 +60,9 @@ BASE_FLAGS = [
     "--log-level",
     "info",
 ]
+# FAMILIES_FLAGS: more server flags, e.g. --disable-cuda-graph when only the dumps are wanted (a prefill never
+# runs in a CUDA graph: the graphs are decode's, and capturing them takes part of a server's start)
+EXTRA_FLAGS = os.environ.get("FAMILIES_FLAGS", "").split()
 TP2_FLAGS = ["--disable-custom-all-reduce", "--enforce-disable-flashinfer-allreduce-fusion"]
 
 # name -> (family, tp, extra launcher flags, compare with: TP 1 case / transformers / another family's case)
@@ -105,7 +108,7 @@ def server_argv(case: str, model: Path, dump_dir: Path, port: int) -> list[str]:
     spec = CASES[case]
     argv = [sys.executable, "-m", "eaglet.services.inference.sglang_launch", "--model-path", str(model)]
     argv += ["--dump-dir", str(dump_dir), "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(spec["tp"])]
-    argv += spec.get("flags", []) + BASE_FLAGS
+    argv += spec.get("flags", []) + BASE_FLAGS + EXTRA_FLAGS
     if spec["tp"] > 1:
         argv += TP2_FLAGS
     if spec["family"] == "kimi":
@@ -403,8 +406,9 @@ def main(argv: list[str]) -> int:
     RESULTS["env"] = NO_MULTICAST
     lens = lengths()
     dataset = H.ROOT / "families.jsonl"
-    # ids below the last one: Kimi's config names the last id its media placeholder
-    H.pretokenized(dataset, lens, familymodels.DEFAULT_VOCAB - 1, seed=11)
+    # the ids the models predict (familymodels.PREDICTED_TOKENS): a drafter trained on these runs can learn them
+    ids = familymodels.PREDICTED_TOKENS
+    H.pretokenized(dataset, lens, ids.stop, seed=11, low=ids.start)
     prompts = {json.loads(x)["id"]: json.loads(x)["input_ids"] for x in dataset.read_text().splitlines()}
     RESULTS["lengths"] = {"min": min(lens), "max": max(lens), "split_by_chunking": sum(n > CHUNK for n in lens)}
     rc = 0

@@ -1,6 +1,7 @@
 """Every family's drafter decodes in SGLang: on the GPU machine, after families.py extracted the TP 1 cases there.
 
     python3 bench/gpu/familydrafters.py [CASE...]   (from the repo root; default: every TP 1 case of families.py)
+    python3 bench/gpu/familydrafters.py --report A.json B.json ...   (one table from several calls' records, in $OUT)
 
 For each case with a stored run on this machine (families.py's state, ``families-results.json``):
   1. eaglet's trainer on the case's 32 stored samples (bench/gpu/ablate.py: the default recipe, FAMDRAFT_STEPS
@@ -8,7 +9,8 @@ For each case with a stored run on this machine (families.py's state, ``families
      ``<root>/fam-drafters/<case>/drafter``;
   2. SGLang 0.5.17 (launch_server, no plugin) with the target alone: FAMDRAFT_PROMPTS (32) new random prompts,
      greedy, FAMDRAFT_TOKENS (64) tokens each;
-  3. SGLang with the drafter (``--speculative-algorithm EAGLE3``, chain (3, 1, 4)) on the same prompts.
+  3. SGLang with the drafter (``--speculative-algorithm EAGLE3``, chain (3, 1, 4)) on the same prompts;
+     FAMDRAFT_PARALLEL (3) cases at once, each on a port of its own (tiny targets: the GPU has room for them).
 A case passes when the server with the drafter comes up (SGLang loads it), every greedy output equals the target
 alone's, and the accept length is at least ACCEPT_FLOOR: a drafter that loads and accepts nothing (accept length
 1.0, no error: what a wrong layer, vocabulary map or norm gives) is a failure. The tiny random targets keep their
@@ -22,8 +24,10 @@ the run goes on. A case is skipped when FAMDRAFT_DEADLINE_S (default 540) would 
 import json
 import os
 import sys
+import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,8 +42,14 @@ STEPS = int(os.environ.get("FAMDRAFT_STEPS", "300"))
 N_PROMPTS = int(os.environ.get("FAMDRAFT_PROMPTS", "32"))
 N_TOKENS = int(os.environ.get("FAMDRAFT_TOKENS", "64"))
 CHAIN = (3, 1, 4)
+DTYPES = ("float32", "bfloat16")  # the servers' dtype; the second if a family's kernels refuse the first
 ACCEPT_FLOOR = 1.1
-SERVER_FLAGS = ["--mem-fraction-static", "0.3", "--disable-cuda-graph"]  # phases.sglang adds --disable-radix-cache
+PARALLEL = int(os.environ.get("FAMDRAFT_PARALLEL", "3"))  # cases decoded at once, each on a port of its own
+SERVER_FLAGS = [
+    "--mem-fraction-static",
+    str(round(0.6 / PARALLEL, 2)),
+    "--disable-cuda-graph",
+]  # phases.sglang adds --disable-radix-cache
 CASE_ESTIMATE_S = 110  # two server starts of ~40 s and two decodes
 
 
@@ -91,19 +101,73 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def decode_on(H, HH, name: str, model: Path, extra: list[str], prompts: list[list[int]]) -> dict:
-    """One SGLang server (``extra`` flags) over ``prompts``: its startup time and ``headtohead.decode``'s figures,
-    or the error and the server log's tail."""
+def decode_on(H, HH, name: str, model: Path, extra: list[str], prompts: list[list[int]], port: int) -> dict:
+    """One SGLang server (``extra`` flags) on ``port`` over ``prompts``: its startup time and
+    ``headtohead.decode``'s figures, or the error and the server log's tail. Servers starting together can find
+    the GPU's memory in flux and refuse the KV cache: such a start is tried once more."""
     try:
-        up = H.sglang(name, model, plugin=False, extra=SERVER_FLAGS + extra, timeout=300)
-        return {"server_startup_s": round(up, 1), **HH.decode(prompts, 16, max_new_tokens=N_TOKENS)}
+        try:
+            up = H.sglang(name, model, plugin=False, extra=SERVER_FLAGS + extra, timeout=300, port=port)
+        except RuntimeError as e:
+            if HH.KV_REFUSED not in str(e):
+                raise
+            H.log(f"{name}: refused for memory while others started; once more")
+            H.stop(name)
+            up = H.sglang(name, model, plugin=False, extra=SERVER_FLAGS + extra, timeout=300, port=port)
+        return {"server_startup_s": round(up, 1), **HH.decode(prompts, 16, port=port, max_new_tokens=N_TOKENS)}
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e)[-1500:]}", "server_log_tail": H.tail(name, 40)}
     finally:
         H.stop(name)
 
 
+def decode_case(H, HH, case: str, R: dict, prompts: list[list[int]], port: int) -> None:
+    """The target alone, then the target with the case's drafter, on one port; the verdict into ``R``."""
+    H.log(f"=== {case} on port {port}")
+    try:
+        model = Path(R["model_dir"])
+        # the Kimi wrapper's stand-in processor is remote code, as the real checkpoint's is
+        remote = ["--trust-remote-code"] if families.CASES[case]["family"] == "kimi" else []
+        for dtype in DTYPES:  # float32: greedy decoding free of bf16's near-ties between batch shapes
+            R["dtype"], common = dtype, [*remote, "--dtype", dtype]
+            R["target"] = decode_on(H, HH, f"famdraft-{case}-alone", model, common, prompts, port)
+            if "server_startup_s" in R["target"]:
+                break
+            H.log(f"{case}: the target alone did not start in {dtype}")
+        spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", R["drafter_dir"],
+                "--speculative-num-steps", str(CHAIN[0]), "--speculative-eagle-topk", str(CHAIN[1]),
+                "--speculative-num-draft-tokens", str(CHAIN[2])]  # fmt: skip
+        R["drafted"] = decode_on(H, HH, f"famdraft-{case}-eagle3", model, common + spec, prompts, port)
+        base, mine = R["target"].pop("texts", None), R["drafted"].pop("texts", None)
+        if base is not None and mine is not None:
+            R["drafted"]["same_text_as_target_alone"] = h2hreport.agreement(mine, base)
+        R["drafter_server_startup_s"] = R["drafted"].get("server_startup_s")
+        R["status"], R["why"] = verdict(R["target"], R["drafted"])
+    except Exception as e:
+        R["status"], R["why"] = "failed", [f"{type(e).__name__}: {e}"]
+        R["traceback"] = traceback.format_exc()[-2000:]
+    H.log(f"{case}: {R['status']} {R.get('why')}")
+
+
+def report(paths: list[str], out: Path) -> int:
+    """One table from the records of several calls (each call decodes some of the cases): a case's last record
+    that has a status wins."""
+    merged: dict = {"cases": {}}
+    for path in paths:
+        rec = json.loads(Path(path).read_text())
+        merged.update({k: v for k, v in rec.items() if k != "cases"})
+        for case, R in rec["cases"].items():
+            if "status" in R or case not in merged["cases"]:
+                merged["cases"][case] = R
+    (out / "familydrafters.json").write_text(json.dumps(merged, indent=1, default=str))
+    (out / "familydrafters.md").write_text(markdown(merged))
+    print((out / "familydrafters.md").read_text())
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--report"]:
+        return report(argv[1:], Path(os.environ.get("OUT") or "."))
     wanted = argv or tp1_cases()
     unknown = [c for c in wanted if c not in tp1_cases()]
     if unknown:
@@ -120,8 +184,8 @@ def main(argv: list[str]) -> int:
     results: dict = {"steps": STEPS, "prompts": N_PROMPTS, "tokens": N_TOKENS, "chain": str(CHAIN), "cases": {}}
     H.redis_up()
     prompts_file = H.ROOT / "familydrafters-prompts.jsonl"
-    H.pretokenized(prompts_file, [24 + 8 * (i % 8) for i in range(N_PROMPTS)], families.familymodels.DEFAULT_VOCAB - 1,
-                   seed=23)  # fmt: skip
+    ids = families.familymodels.PREDICTED_TOKENS  # what the drafters were trained on (families.py's dataset)
+    H.pretokenized(prompts_file, [24 + 8 * (i % 8) for i in range(N_PROMPTS)], ids.stop, seed=23, low=ids.start)
     prompts = [json.loads(x)["input_ids"] for x in prompts_file.read_text().splitlines()]
 
     jobs = []
@@ -144,43 +208,36 @@ def main(argv: list[str]) -> int:
         env = {"EAGLET_DATA_DIR": str(H.DATA), "OMP_NUM_THREADS": "2"}  # the trainers read the store, not Redis
         HH.run_trainers(jobs, H.PY_EAGLET, env, DEADLINE_S - (time.time() - T0) - 60, out)
 
-    rc = 0
-    for case, R in results["cases"].items():
-        if "skipped" in R:
-            continue
+    trained = [c for c, R in results["cases"].items() if "skipped" not in R]
+    for case in trained:
+        R = results["cases"][case]
         if R["train"].get("rc") != 0:
             R["status"], R["why"] = "failed", [f"trainer: {R['train'].get('error')}"]
-            rc = 1
-            continue
+    ready = [c for c in trained if "status" not in results["cases"][c]]
+    ports = list(range(H.SGL_PORT + 20, H.SGL_PORT + 20 + PARALLEL))
+    lock = threading.Lock()
+
+    def one(case: str) -> None:
+        R = results["cases"][case]
         if DEADLINE_S - (time.time() - T0) < CASE_ESTIMATE_S:
             R["skipped"] = f"skipped: {time.time() - T0:.0f}s gone of {DEADLINE_S:.0f}s"
-            continue
-        H.log(f"=== {case}")
+            return
+        with lock:
+            port = ports.pop()
         try:
-            model = Path(R["model_dir"])
-            # the Kimi wrapper's stand-in processor is remote code, as the real checkpoint's is
-            common = ["--trust-remote-code"] if families.CASES[case]["family"] == "kimi" else []
-            R["target"] = decode_on(H, HH, f"famdraft-{case}-alone", model, common, prompts)
-            spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", R["drafter_dir"],
-                    "--speculative-num-steps", str(CHAIN[0]), "--speculative-eagle-topk", str(CHAIN[1]),
-                    "--speculative-num-draft-tokens", str(CHAIN[2])]  # fmt: skip
-            R["drafted"] = decode_on(H, HH, f"famdraft-{case}-eagle3", model, common + spec, prompts)
-            base, mine = R["target"].pop("texts", None), R["drafted"].pop("texts", None)
-            if base is not None and mine is not None:
-                R["drafted"]["same_text_as_target_alone"] = h2hreport.agreement(mine, base)
-            R["drafter_server_startup_s"] = R["drafted"].get("server_startup_s")
-            R["status"], R["why"] = verdict(R["target"], R["drafted"])
-        except Exception as e:
-            R["status"], R["why"] = "failed", [f"{type(e).__name__}: {e}"]
-            R["traceback"] = traceback.format_exc()[-2000:]
-            H.stop_all()
-        rc |= R["status"] != "ok"
-        H.log(f"{case}: {R['status']} {R.get('why')}")
-        (out / "familydrafters.json").write_text(json.dumps(results, indent=1, default=str))
+            decode_case(H, HH, case, R, prompts, port)
+        finally:
+            with lock:
+                ports.append(port)
+                (out / "familydrafters.json").write_text(json.dumps(results, indent=1, default=str))
+
+    with ThreadPoolExecutor(PARALLEL) as ex:
+        list(ex.map(one, ready))
+    rc = int(any(R.get("status") not in (None, "ok") for R in results["cases"].values()))
     (out / "familydrafters.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "familydrafters.md").write_text(markdown(results))
     print((out / "familydrafters.md").read_text())
-    return int(rc)
+    return rc
 
 
 if __name__ == "__main__":

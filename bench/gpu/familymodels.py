@@ -14,6 +14,12 @@ plus the tokenizer. The weights are drawn from a fixed seed: the same directory 
   (SGLang builds a multimodal processor for this architecture at start-up; the real checkpoint ships one).
 - Router weights of the MoE families are scaled so that gate logits spread by about 3 (std): the chosen
   experts win clearly, and TP 1 vs TP 2 differences are not lost in near-ties between experts.
+- The LM head's rows outside PREDICTED_TOKENS (256 ids) are scaled by 0.05, so the model's top token is always
+  one of them. A random model over the whole vocabulary maps each of its 49 K input tokens to an unrelated next
+  token, which a drafter cannot learn from a few thousand tokens (trained on 32 such samples it reached 0.75
+  accuracy on them and 0.01 on held-out ones); over 256 tokens it sees each input token tens of times, and its
+  greedy continuations of prompts drawn from them stay among them (families.py and familydrafters.py draw
+  their prompts there).
 """
 
 import json
@@ -34,6 +40,8 @@ ARCHITECTURES = {
 LAYERS = 8  # SGLang's default capture points [2, L//2, L-3] = [2, 4, 5]: three distinct layers
 HIDDEN = 512
 ROUTER_LOGIT_STD = 3.0
+PREDICTED_TOKENS = range(1000, 1256)  # clear of the special ids and of Kimi's media placeholder (the last id)
+OTHER_ROWS_SCALE = 0.05
 DEFAULT_VOCAB = 49152  # SmolLM2's tokenizer
 
 # The stand-in for Kimi-K2.5's processor (remote code in the model directory): what SGLang's Kimi-K2.5
@@ -185,6 +193,17 @@ def _scale_routers(model, hidden: int) -> int:
     return n
 
 
+def _concentrate_head(model) -> None:
+    """The LM head's rows outside PREDICTED_TOKENS scaled by OTHER_ROWS_SCALE (the embeddings are untied)."""
+    import torch
+
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        keep = head[PREDICTED_TOKENS.start : PREDICTED_TOKENS.stop].clone()
+        head.mul_(OTHER_ROWS_SCALE)
+        head[PREDICTED_TOKENS.start : PREDICTED_TOKENS.stop] = keep
+
+
 def build(family: str, vocab: int = DEFAULT_VOCAB, seed: int = 0):
     """The transformers model (bf16, eval) for ``family``; ``kimi`` gets DeepSeek-V3's language model."""
     import torch
@@ -193,6 +212,7 @@ def build(family: str, vocab: int = DEFAULT_VOCAB, seed: int = 0):
     torch.manual_seed(seed)
     model = _model_class(family)(config)
     _scale_routers(model, config.hidden_size)
+    _concentrate_head(model)
     return model.to(torch.bfloat16).eval()
 
 
@@ -227,6 +247,7 @@ def make_model(family: str, out: Path, tokenizer_dir: Path | None = None, seed: 
         "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
         "aux_layer_ids": [2, LAYERS // 2, LAYERS - 3],
         "router_logit_std": ROUTER_LOGIT_STD if family in ("qwen3moe", "deepseek", "kimi", "gptoss") else None,
+        "predicted_tokens": [PREDICTED_TOKENS.start, PREDICTED_TOKENS.stop],
         "seed": seed,
     }
     (tmp / "family.json").write_text(json.dumps(info, indent=1))

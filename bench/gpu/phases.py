@@ -208,11 +208,12 @@ def reference(name: str, model: Path, *, dump: bool, timeout: float = 300) -> fl
 # --- data ----------------------------------------------------------------------------------------------
 
 
-def pretokenized(path: Path, lengths: list[int], vocab: int, seed: int) -> int:
+def pretokenized(path: Path, lengths: list[int], vocab: int, seed: int, low: int = 3) -> int:
+    """Samples of random ids in [low, vocab), the second half of each its loss positions; returns the tokens."""
     rng = random.Random(seed)
     with open(path, "w") as f:
         for i, n in enumerate(lengths):
-            ids = [rng.randrange(3, vocab) for _ in range(n)]
+            ids = [rng.randrange(low, vocab) for _ in range(n)]
             mask = [0] * (n // 2) + [1] * (n - n // 2)
             f.write(json.dumps({"id": f"s{i:05d}", "input_ids": ids, "loss_mask": mask}) + "\n")
     return sum(lengths)

@@ -1,5 +1,7 @@
 """The family drafters' verdict: a drafter that loads and accepts nothing, or changes the greedy text, fails."""
 
+import json
+
 import familydrafters
 
 
@@ -37,3 +39,26 @@ def test_every_tp1_family_is_a_case_and_the_table_names_each():
     md = familydrafters.markdown(results)
     assert "| llama-tp1 | LlamaForCausalLM | ok | 0.80 / 0.50 | 1.900 |" in md
     assert "| gptoss-tp1 | GptOssForCausalLM | skipped: no extraction |" in md
+
+
+def test_the_report_joins_calls_and_a_decoded_case_wins_over_a_skipped_one(tmp_path):
+    first = {
+        "steps": 300,
+        "prompts": 32,
+        "tokens": 64,
+        "cases": {
+            "llama-tp1": {"architecture": "LlamaForCausalLM", "status": "ok", "drafted": decoded(1.9)},
+            "kimi-tp1": {"architecture": "KimiK25ForConditionalGeneration", "skipped": "skipped: 500s gone of 540s"},
+        },
+    }
+    second = {"steps": 300, "prompts": 32, "tokens": 64, "cases": {
+        "kimi-tp1": {"architecture": "KimiK25ForConditionalGeneration", "status": "failed",
+                     "why": ["boom"]}}}  # fmt: skip
+    paths = []
+    for i, rec in enumerate((first, second)):
+        paths.append(tmp_path / f"call{i}.json")
+        paths[-1].write_text(json.dumps(rec))
+    assert familydrafters.report([str(p) for p in paths], tmp_path) == 0
+    merged = json.loads((tmp_path / "familydrafters.json").read_text())
+    assert merged["cases"]["llama-tp1"]["status"] == "ok" and merged["cases"]["kimi-tp1"]["status"] == "failed"
+    assert "| kimi-tp1 | KimiK25ForConditionalGeneration | failed |" in (tmp_path / "familydrafters.md").read_text()
