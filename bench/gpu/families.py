@@ -85,6 +85,10 @@ CASES: dict[str, dict] = {
     "qwen3moe-tp2-ep2": {"family": "qwen3moe", "tp": 2, "flags": ["--ep-size", "2"], "vs": "qwen3moe-tp1"},
     "kimi-tp2": {"family": "kimi", "tp": 2, "vs": "kimi-tp1", "same_as": "deepseek-tp2"},
 }
+PARALLEL = int(os.environ.get("FAMILIES_PARALLEL", "1"))  # TP 1 cases at once, each on a port of its own
+if PARALLEL > 1:  # their servers share the one GPU
+    BASE_FLAGS[BASE_FLAGS.index("--mem-fraction-static") + 1] = str(round(0.6 / PARALLEL, 2))
+EXTRACTING = threading.Lock()
 ESTIMATE_S = {1: 75, 2: 95}  # server start + extraction; the first server also compiles Triton kernels
 FIRST_EXTRA_S = 60
 RESULTS: dict = {"cases": {}}
@@ -264,8 +268,12 @@ def ensure_model(H, family: str) -> Path:
     return d
 
 
-def run_case(H, case: str, dataset: Path, prompts: dict[str, list[int]]) -> None:
+def run_case(H, case: str, dataset: Path, prompts: dict[str, list[int]], port: int = 0) -> None:
+    """One case on ``port`` (0: the bench's SGLang port). Cases may run at once (FAMILIES_PARALLEL): their
+    servers start together, their extractions take turns (EXTRACTING: the workers, the environment they are
+    started from and the watched dump dir are the bench's one set)."""
     spec = CASES[case]
+    port = port or H.SGL_PORT
     R = RESULTS["cases"].setdefault(case, {})
     R.update({"family": spec["family"], "architecture": familymodels.ARCHITECTURES[spec["family"]], "tp": spec["tp"]})
     t_case = time.time()
@@ -273,26 +281,29 @@ def run_case(H, case: str, dataset: Path, prompts: dict[str, list[int]]) -> None
     info = json.loads((model / "family.json").read_text())
     R["model"] = info
     name = f"fam-{case}"
-    argv = server_argv(case, model, H.DUMPS, H.SGL_PORT)
+    argv = server_argv(case, model, H.DUMPS, port)
     R["server_cmd"] = " ".join(["python"] + argv[1:])
-    H.redis_up()
     H.DUMPS.mkdir(parents=True, exist_ok=True)
-    watch = DumpWatch(H.DUMPS)
+    dumps: Counter = Counter()
     try:
         log(f"{case}: {R['server_cmd']}")
         H.start(name, argv, H.PY_SGL_PLUGIN, {"EAGLET_DUMP_DIR": str(H.DUMPS)})
         left = DEADLINE_S - (time.time() - T0)
-        R["startup_s"] = round(H.wait_health(name, H.SGL_PORT, max(60.0, min(400.0, left))), 1)
+        R["startup_s"] = round(H.wait_health(name, port, max(60.0, min(400.0, left))), 1)
         log(f"{case}: healthy after {R['startup_s']}s")
-        run_id = f"fam-{case}-{int(time.time())}"
-        left = DEADLINE_S - (time.time() - T0)
-        p = H.pipeline(run_id, model, dataset, H.SGL_PORT, N_WORKERS, 8192, timeout=max(60.0, min(240.0, left)))
+        with EXTRACTING:
+            run_id = f"fam-{case}-{int(time.time())}"
+            watch = DumpWatch(H.DUMPS)
+            try:
+                left = DEADLINE_S - (time.time() - T0)
+                p = H.pipeline(run_id, model, dataset, port, N_WORKERS, 8192, timeout=max(60.0, min(240.0, left)))
+            finally:
+                dumps = watch.close()
         R["pipeline"] = {k: p.get(k) for k in ("samples", "tokens", "counts", "failures", "complete", "wall_s")}
         counts = p.get("counts") or {}
         R["done"], R["failed"] = int(counts.get("done", 0)), int(counts.get("failed", 0))
         R["run_id"] = run_id
     finally:
-        dumps = watch.close()
         R["plugin_log"] = plugin_lines(H, name)
         H.stop(name)
         time.sleep(2)  # the GPUs' memory back before the next server
@@ -373,6 +384,38 @@ def write_outputs(out: Path) -> None:
     (out / "families.md").write_text(text)
 
 
+def run_one(H, case: str, dataset: Path, prompts: dict[str, list[int]], port: int = 0) -> int:
+    """``run_case`` with its failure recorded (server log tail included) in place of its figures; 1 if it failed."""
+    R = RESULTS["cases"][case]
+    log(f"=== {case}")
+    try:
+        run_case(H, case, dataset, prompts, port)
+        log(f"{case}: {R['status']} in {R['wall_s']}s")
+        return 0
+    except Exception as e:
+        R["status"] = "error"
+        R["error"] = f"{type(e).__name__}: {e}"[:4000]
+        R["traceback"] = traceback.format_exc()[-2500:]
+        R["server_log_tail"] = H.tail(f"fam-{case}", 60)
+        H.stop(f"fam-{case}")
+        log(f"{case} FAILED: {R['error'][:1500]}")
+        return 1
+
+
+def run_together(H, cases: list[str], dataset: Path, prompts: dict[str, list[int]], out: Path, state: Path) -> int:
+    """TP 1 cases PARALLEL at once, each on a port of its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for case in cases:
+        RESULTS["cases"].setdefault(case, {"tp": 1})["architecture"] = familymodels.ARCHITECTURES[CASES[case]["family"]]
+    ports = {case: H.SGL_PORT + 40 + i for i, case in enumerate(cases)}
+    with ThreadPoolExecutor(PARALLEL) as ex:
+        failed = sum(ex.map(lambda c: run_one(H, c, dataset, prompts, ports[c]), cases))
+    write_outputs(out)
+    state.write_text(json.dumps(RESULTS, default=str))
+    return int(failed > 0)
+
+
 def main(argv: list[str]) -> int:
     dry = "--dry-run" in argv
     wanted = [a for a in argv if not a.startswith("--")] or list(CASES)
@@ -412,8 +455,12 @@ def main(argv: list[str]) -> int:
     prompts = {json.loads(x)["id"]: json.loads(x)["input_ids"] for x in dataset.read_text().splitlines()}
     RESULTS["lengths"] = {"min": min(lens), "max": max(lens), "split_by_chunking": sum(n > CHUNK for n in lens)}
     rc = 0
+    H.redis_up()
     try:
-        for i, case in enumerate(wanted):
+        together = [c for c in wanted if CASES[c]["tp"] == 1] if PARALLEL > 1 else []
+        if together:
+            rc |= run_together(H, together, dataset, prompts, out, state)
+        for i, case in enumerate(c for c in wanted if c not in together):
             R = RESULTS["cases"].setdefault(case, {"tp": CASES[case]["tp"]})
             R["architecture"] = familymodels.ARCHITECTURES[CASES[case]["family"]]
             need = ESTIMATE_S[CASES[case]["tp"]] + (FIRST_EXTRA_S if i == 0 else 0)
@@ -424,18 +471,7 @@ def main(argv: list[str]) -> int:
             if "skipped" in R:
                 log(f"{case}: {R['skipped']}")
                 continue
-            log(f"=== {case}")
-            try:
-                run_case(H, case, dataset, prompts)
-                log(f"{case}: {R['status']} in {R['wall_s']}s")
-            except Exception as e:
-                rc = 1
-                R["status"] = "error"
-                R["error"] = f"{type(e).__name__}: {e}"[:4000]
-                R["traceback"] = traceback.format_exc()[-2500:]
-                R["server_log_tail"] = H.tail(f"fam-{case}", 60)
-                log(f"{case} FAILED: {R['error'][:1500]}")
-                H.stop_all()
+            rc |= run_one(H, case, dataset, prompts)
             write_outputs(out)
             state.write_text(json.dumps(RESULTS, default=str))
     finally:

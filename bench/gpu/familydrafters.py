@@ -205,8 +205,9 @@ def main(argv: list[str]) -> int:
         jobs.append((R["train"], f"famdraft-train-{case}", trainer))
     if jobs:
         H.log(f"familydrafters: training {len(jobs)} drafters together")
+        (H.ROOT / "fam-drafters").mkdir(parents=True, exist_ok=True)  # their probes beside them
         env = {"EAGLET_DATA_DIR": str(H.DATA), "OMP_NUM_THREADS": "2"}  # the trainers read the store, not Redis
-        HH.run_trainers(jobs, H.PY_EAGLET, env, DEADLINE_S - (time.time() - T0) - 60, out)
+        HH.run_trainers(jobs, H.PY_EAGLET, env, DEADLINE_S - (time.time() - T0) - 60, H.ROOT / "fam-drafters")
 
     trained = [c for c, R in results["cases"].items() if "skipped" not in R]
     for case in trained:
