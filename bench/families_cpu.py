@@ -85,7 +85,7 @@ def regenerate_and_extract(bench: Bench, model: str, source: Path, options: Rege
 def measure(model: str, source: Path, options: RegenerateOptions, flags: list[str], keep: Path) -> dict:
     """A target's row; its drafter is copied to ``keep/<model>`` (another engine can serve it), and a failing
     stage's logs to ``keep/<model>-logs``."""
-    bench = start_bench(f"families-{model}", model)
+    bench = start_bench(f"families-{Path(model).name}", model)
     try:
         row = {"model": model, **target_facts(model), "load_before": load()}
         row.update(regenerate_and_extract(bench, model, source, options))
@@ -105,10 +105,10 @@ def measure(model: str, source: Path, options: RegenerateOptions, flags: list[st
             "target_tok_s": result.target_tok_s, "spec_tok_s": result.spec_tok_s,
         }  # fmt: skip
         row["load_after"] = load()
-        shutil.copytree(drafter_dir(bench.settings.data_dir, RUN), keep / model, dirs_exist_ok=True)
+        shutil.copytree(drafter_dir(bench.settings.data_dir, RUN), keep / Path(model).name, dirs_exist_ok=True)
         return row
     except BaseException:
-        shutil.copytree(bench.folder / "logs", keep / f"{model}-logs", dirs_exist_ok=True)
+        shutil.copytree(bench.folder / "logs", keep / f"{Path(model).name}-logs", dirs_exist_ok=True)
         raise
     finally:
         bench.close()

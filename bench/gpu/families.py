@@ -408,6 +408,15 @@ def run_together(H, cases: list[str], dataset: Path, prompts: dict[str, list[int
 
     for case in cases:
         RESULTS["cases"].setdefault(case, {"tp": 1})["architecture"] = familymodels.ARCHITECTURES[CASES[case]["family"]]
+    # the models built and what the threads import, imported here: transformers' lazy imports are not safe to race
+    for family in dict.fromkeys(CASES[c]["family"] for c in cases):
+        ensure_model(H, family)
+    import safetensors.torch  # noqa: F401  (stored_states)
+    from transformers import AutoModelForCausalLM  # noqa: F401  (familymodels.transformers_states)
+
+    import eaglet.shared.samples  # noqa: F401
+    import eaglet.shared.store  # noqa: F401
+
     ports = {case: H.SGL_PORT + 40 + i for i, case in enumerate(cases)}
     with ThreadPoolExecutor(PARALLEL) as ex:
         failed = sum(ex.map(lambda c: run_one(H, c, dataset, prompts, ports[c]), cases))

@@ -133,7 +133,8 @@ def decode_case(H, HH, case: str, R: dict, prompts: list[list[int]], port: int) 
             R["target"] = decode_on(H, HH, f"famdraft-{case}-alone", model, common, prompts, port)
             if "server_startup_s" in R["target"]:
                 break
-            H.log(f"{case}: the target alone did not start in {dtype}")
+            R[f"target_{dtype}_failed"] = R["target"]  # why, kept: the next dtype's record takes its place
+            H.log(f"{case}: the target alone did not start in {dtype}: {R['target'].get('error', '')[-300:]}")
         spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", R["drafter_dir"],
                 "--speculative-num-steps", str(CHAIN[0]), "--speculative-eagle-topk", str(CHAIN[1]),
                 "--speculative-num-draft-tokens", str(CHAIN[2])]  # fmt: skip

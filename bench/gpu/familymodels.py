@@ -15,11 +15,14 @@ plus the tokenizer. The weights are drawn from a fixed seed: the same directory 
 - Router weights of the MoE families are scaled so that gate logits spread by about 3 (std): the chosen
   experts win clearly, and TP 1 vs TP 2 differences are not lost in near-ties between experts.
 - The LM head's rows outside PREDICTED_TOKENS (256 ids) are scaled by 0.05, so the model's top token is always
-  one of them. A random model over the whole vocabulary maps each of its 49 K input tokens to an unrelated next
-  token, which a drafter cannot learn from a few thousand tokens (trained on 32 such samples it reached 0.75
-  accuracy on them and 0.01 on held-out ones); over 256 tokens it sees each input token tens of times, and its
-  greedy continuations of prompts drawn from them stay among them (families.py and familydrafters.py draw
-  their prompts there).
+  one of them, and those 256 rows by 10, so its distribution is peaked as a trained model's is. A random model
+  over the whole vocabulary maps each of its 49 K input tokens to an unrelated next token, which a drafter cannot
+  learn from a few thousand tokens (trained on 32 such samples it reached 0.75 accuracy on them and 0.01 on
+  held-out ones); over 256 tokens it sees each input token tens of times, and its greedy continuations of
+  prompts drawn from them stay among them (families.py and familydrafters.py draw their prompts there). Drawn at
+  std 0.02, the logits spread by about 0.46: the top token's probability was 8e-5, next to uniform, which leaves
+  a distilled drafter nothing to learn and greedy decoding at bf16's near-ties; at 10x the top token has about
+  half the mass, 1.5 logits ahead of the second.
 """
 
 import json
@@ -42,6 +45,7 @@ HIDDEN = 512
 ROUTER_LOGIT_STD = 3.0
 PREDICTED_TOKENS = range(1000, 1256)  # clear of the special ids and of Kimi's media placeholder (the last id)
 OTHER_ROWS_SCALE = 0.05
+PREDICTED_ROWS_SCALE = 10.0
 DEFAULT_VOCAB = 49152  # SmolLM2's tokenizer
 
 # The stand-in for Kimi-K2.5's processor (remote code in the model directory): what SGLang's Kimi-K2.5
@@ -194,12 +198,13 @@ def _scale_routers(model, hidden: int) -> int:
 
 
 def _concentrate_head(model) -> None:
-    """The LM head's rows outside PREDICTED_TOKENS scaled by OTHER_ROWS_SCALE (the embeddings are untied)."""
+    """The LM head's rows outside PREDICTED_TOKENS scaled by OTHER_ROWS_SCALE, theirs by PREDICTED_ROWS_SCALE (the
+    embeddings are untied)."""
     import torch
 
     with torch.no_grad():
         head = model.get_output_embeddings().weight
-        keep = head[PREDICTED_TOKENS.start : PREDICTED_TOKENS.stop].clone()
+        keep = head[PREDICTED_TOKENS.start : PREDICTED_TOKENS.stop] * PREDICTED_ROWS_SCALE
         head.mul_(OTHER_ROWS_SCALE)
         head[PREDICTED_TOKENS.start : PREDICTED_TOKENS.stop] = keep
 
