@@ -73,6 +73,7 @@ CASES: dict[str, dict] = {
     "qwen3moe-tp1": {"family": "qwen3moe", "tp": 1},
     "kimi-tp1": {"family": "kimi", "tp": 1, "same_as": "deepseek-tp1"},
     "gptoss-tp1": {"family": "gptoss", "tp": 1},
+    "gemma3-tp1": {"family": "gemma3", "tp": 1, "transformers": True},
     "llama-tp2": {"family": "llama", "tp": 2, "vs": "llama-tp1"},
     "deepseek-tp2": {"family": "deepseek", "tp": 2, "vs": "deepseek-tp1"},
     "deepseek-tp2-dpa2": {

@@ -31,7 +31,7 @@ import shutil
 import sys
 from pathlib import Path
 
-FAMILIES = ("llama", "qwen3", "qwen3moe", "deepseek", "kimi", "gptoss")
+FAMILIES = ("llama", "qwen3", "qwen3moe", "deepseek", "kimi", "gptoss", "gemma3")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "deepseek": "DeepseekV3ForCausalLM",
     "kimi": "KimiK25ForConditionalGeneration",
     "gptoss": "GptOssForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 LAYERS = 8  # SGLang's default capture points [2, L//2, L-3] = [2, 4, 5]: three distinct layers
 HIDDEN = 512
@@ -168,6 +169,16 @@ def _config(family: str, vocab: int):
             sliding_window=128,
             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(LAYERS)],
         )
+    if family == "gemma3":  # its traps: embeddings scaled by sqrt(hidden), (1 + w) norms, sliding layers
+        return T.Gemma3TextConfig(
+            **common,
+            intermediate_size=1024,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            sliding_window=64,
+            layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(LAYERS)],
+        )
     raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
 
 
@@ -181,6 +192,7 @@ def _model_class(family: str):
         "deepseek": T.DeepseekV3ForCausalLM,
         "kimi": T.DeepseekV3ForCausalLM,
         "gptoss": T.GptOssForCausalLM,
+        "gemma3": T.Gemma3ForCausalLM,
     }[family]
 
 

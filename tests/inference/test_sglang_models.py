@@ -26,6 +26,7 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": ("Qwen3MoeModel", "Qwen3MoeForCausalLM"),
     "DeepseekV3ForCausalLM": ("DeepseekV2Model", "DeepseekV3ForCausalLM"),
     "GptOssForCausalLM": ("GptOssModel", "GptOssForCausalLM"),
+    "Gemma3ForCausalLM": ("Gemma3TextModel", "Gemma3ForCausalLM"),
     "KimiK25ForConditionalGeneration": ("DeepseekV2Model", "DeepseekV3ForCausalLM"),
 }
 

@@ -19,6 +19,7 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeModel", "qwen3_moe"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV2Model", "deepseek_v2"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssModel", "gpt_oss"),
+    "Gemma3ForCausalLM": ("gemma3_causal", "Gemma3TextModel", "gemma3_causal"),
     "KimiK25ForConditionalGeneration": ("kimi_k25", None, None),  # wraps DeepseekV3ForCausalLM
 }
 LAYERS = 12
