@@ -5,7 +5,7 @@
 For each case: a tiny random-weight model of the family (bench/gpu/familymodels.py, built on first use), SGLang
 0.5.17 started through eaglet's launcher (chunked prefill 64 so prompts split, CUDA graphs and the overlap
 scheduler on, triton attention, pytorch sampling), then 4 of eaglet's extractor workers extract 32
-pre-tokenized samples (20..400 tokens). Checked per case:
+pre-tokenized samples (20..400 tokens of the ids the tiny models predict). Checked per case:
   - every request's dump written exactly once (the dump dir is watched with inotify: each ``<rid>.safetensors``
     renamed into place is one dump; the workers delete them after storing);
   - every stored sample's rows equal its prompt length, widths H and 3H, all values finite;
@@ -13,9 +13,11 @@ pre-tokenized samples (20..400 tokens). Checked per case:
   - Llama, Qwen3 and DeepSeek-V3 TP 1 against transformers' own forward on the same GPU: aux = hidden_states[i]
     of transformers for SGLang's ids i (the residual entering layer i), final = last hidden state after the norm;
   - Kimi-K2.5 (the same language weights as the DeepSeek-V3 model) against DeepSeek-V3 at the same TP.
-Each server is stopped before the next starts. A case is skipped when FAMILIES_DEADLINE_S (default 540)
-would be passed; TP 2 cases are skipped on a one-GPU machine. A failure is recorded with the server log
-tail and the run goes on. Results: $OUT/families.json, $OUT/families.md, logs in $OUT/families-logs.tgz.
+Each server is stopped before the next starts, unless FAMILIES_PARALLEL > 1: then the TP 1 cases start together,
+each on a port of its own, and extract in turn (bounded by the deadline only through their waits). A case is skipped
+when FAMILIES_DEADLINE_S (default 540) would be passed; TP 2 cases are skipped on a one-GPU machine. A failure is
+recorded with the server log tail and the run goes on. Results: $OUT/families.json, $OUT/families.md, logs in
+$OUT/families-logs.tgz.
 
 Every process gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 """

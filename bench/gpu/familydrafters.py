@@ -13,12 +13,12 @@ For each case with a stored run on this machine (families.py's state, ``families
      FAMDRAFT_PARALLEL (3) cases at once, each on a port of its own (tiny targets: the GPU has room for them).
 A case passes when the server with the drafter comes up (SGLang loads it), every greedy output equals the target
 alone's, and the accept length is at least ACCEPT_FLOOR: a drafter that loads and accepts nothing (accept length
-1.0, no error: what a wrong layer, vocabulary map or norm gives) is a failure. The tiny random targets keep their
-residual stream close to the last layer's input, so a drafter fed the right states predicts them well above
-chance within the steps given. Both servers run without CUDA graphs (SGLang 0.5.17 captures EAGLE-3's graphs
-through deep_gemm, which the image lacks) and with the same flags otherwise, so greedy outputs compare.
-Results: $OUT/familydrafters.json and $OUT/familydrafters.md; a failure is recorded with the server's log tail and
-the run goes on. A case is skipped when FAMDRAFT_DEADLINE_S (default 540) would be passed.
+1.0, no error: what a wrong layer, vocabulary map or norm gives) is a failure. The tiny random targets predict 256
+ids with a peaked LM head, and the prompts are drawn from those ids (bench/gpu/familymodels.py says why), so a
+drafter fed the right states learns them within the steps given. Both servers run without CUDA graphs (SGLang 0.5.17
+captures EAGLE-3's graphs through deep_gemm, which the image lacks) and with the same flags otherwise, so greedy
+outputs compare. Results: $OUT/familydrafters.json and $OUT/familydrafters.md; a failure is recorded with the
+server's log tail and the run goes on. A case is skipped when FAMDRAFT_DEADLINE_S (default 540) would be passed.
 """
 
 import json
@@ -103,17 +103,9 @@ def markdown(results: dict) -> str:
 
 def decode_on(H, HH, name: str, model: Path, extra: list[str], prompts: list[list[int]], port: int) -> dict:
     """One SGLang server (``extra`` flags) on ``port`` over ``prompts``: its startup time and
-    ``headtohead.decode``'s figures, or the error and the server log's tail. Servers starting together can find
-    the GPU's memory in flux and refuse the KV cache: such a start is tried once more."""
+    ``headtohead.decode``'s figures, or the error and the server log's tail."""
     try:
-        try:
-            up = H.sglang(name, model, plugin=False, extra=SERVER_FLAGS + extra, timeout=300, port=port)
-        except RuntimeError as e:
-            if HH.KV_REFUSED not in str(e):
-                raise
-            H.log(f"{name}: refused for memory while others started; once more")
-            H.stop(name)
-            up = H.sglang(name, model, plugin=False, extra=SERVER_FLAGS + extra, timeout=300, port=port)
+        up = HH.start_sharing(name, model, SERVER_FLAGS + extra, port)
         return {"server_startup_s": round(up, 1), **HH.decode(prompts, 16, port=port, max_new_tokens=N_TOKENS)}
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e)[-1500:]}", "server_log_tail": H.tail(name, 40)}
@@ -135,9 +127,7 @@ def decode_case(H, HH, case: str, R: dict, prompts: list[list[int]], port: int) 
                 break
             R[f"target_{dtype}_failed"] = R["target"]  # why, kept: the next dtype's record takes its place
             H.log(f"{case}: the target alone did not start in {dtype}: {R['target'].get('error', '')[-300:]}")
-        spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", R["drafter_dir"],
-                "--speculative-num-steps", str(CHAIN[0]), "--speculative-eagle-topk", str(CHAIN[1]),
-                "--speculative-num-draft-tokens", str(CHAIN[2])]  # fmt: skip
+        spec = HH.eagle3_flags(R["drafter_dir"], CHAIN)
         R["drafted"] = decode_on(H, HH, f"famdraft-{case}-eagle3", model, common + spec, prompts, port)
         base, mine = R["target"].pop("texts", None), R["drafted"].pop("texts", None)
         if base is not None and mine is not None:

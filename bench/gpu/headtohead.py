@@ -530,6 +530,26 @@ def decode(
     }
 
 
+def eagle3_flags(drafter_dir: str, chain: tuple) -> list[str]:
+    """SGLang's flags to serve ``drafter_dir`` as EAGLE-3 at ``chain`` (steps, topk, draft tokens)."""
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter_dir,
+            "--speculative-num-steps", str(chain[0]), "--speculative-eagle-topk", str(chain[1]),
+            "--speculative-num-draft-tokens", str(chain[2])]  # fmt: skip
+
+
+def start_sharing(name: str, model: Path, extra: list[str], port: int) -> float:
+    """Plain SGLang on ``port`` beside other servers starting on the same GPU: one that finds the GPU's memory in
+    flux and refuses the KV cache is started once more (while the call has time for it). Returns its startup s."""
+    try:
+        return P.sglang(name, model, plugin=False, extra=extra, timeout=300, port=port)
+    except RuntimeError as e:
+        if KV_REFUSED not in str(e) or time_left() < 130:
+            raise
+        P.log(f"{name}: refused for memory while others started; once more")
+        P.stop(name)
+        return P.sglang(name, model, plugin=False, extra=extra, timeout=300, port=port)
+
+
 def evaluate(
     key: str, ddir: str | None, chain: tuple | None, prompts: dict, base_texts: dict, port: int = 0, mem: float = 0
 ) -> dict:
@@ -541,19 +561,10 @@ def evaluate(
     if mem:
         extra[extra.index("--mem-fraction-static") + 1] = str(mem)
     if chain is not None:
-        extra += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", ddir,
-                  "--speculative-num-steps", str(chain[0]), "--speculative-eagle-topk", str(chain[1]),
-                  "--speculative-num-draft-tokens", str(chain[2])]  # fmt: skip
+        extra += eagle3_flags(ddir, chain)
     name = f"h2h-eval-{key.replace(' ', '').replace(',', '-')}"
     try:
-        try:
-            startup = P.sglang(name, SMOL, plugin=False, extra=extra, timeout=300, port=port)
-        except RuntimeError as e:
-            if KV_REFUSED not in str(e) or time_left() < 130:
-                raise
-            P.log(f"{name}: refused for memory while others started; once more")
-            P.stop(name)
-            startup = P.sglang(name, SMOL, plugin=False, extra=extra, timeout=300, port=port)
+        startup = start_sharing(name, SMOL, extra, port)
         res = {"server_startup_s": round(startup, 1)}
         for pset, ids in prompts.items():
             out = decode(ids, port=port)
