@@ -35,7 +35,10 @@ import threading
 import time
 import traceback
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -48,6 +51,7 @@ os.environ.update(NO_MULTICAST)
 T0 = time.time()
 DEADLINE_S = float(os.environ.get("FAMILIES_DEADLINE_S", "540"))
 N_SAMPLES, N_WORKERS, CHUNK = 32, 4, 64
+CONTINUATION = 64  # the target's own greedy tokens after each prompt (``continued``)
 BASE_FLAGS = [
     "--chunked-prefill-size",
     str(CHUNK),
@@ -213,10 +217,13 @@ def compare(a: dict, b: dict) -> dict:
     parts = {"final": lambda s: s[0]}
     for k in range(3):
         parts[f"aux{k}"] = lambda s, k=k: s[1][:, k * hidden : (k + 1) * hidden]
+    # the rows of the ids both have: two servers' greedy continuations of a prompt may part at a near-tie
+    rows = {sid: shared_prefix(a[sid], b[sid]) for sid in common}
+    out["rows_compared"] = sum(n for n in rows.values() if n is not None)
     for name, get in parts.items():
         cos, dmax, ref = [], 0.0, 0.0
         for sid in common:
-            x, y = get(a[sid]), get(b[sid])
+            x, y = get(a[sid])[: rows[sid]], get(b[sid])[: rows[sid]]
             if x.shape != y.shape:
                 out.setdefault("shape_mismatch", []).append(sid)
                 continue
@@ -234,6 +241,13 @@ def compare(a: dict, b: dict) -> dict:
                 "rows": int(c.numel()),
             }
     return out
+
+
+def shared_prefix(a: tuple, b: tuple) -> int | None:
+    """How many leading ids two stored samples share (None, i.e. all rows: a reference without ids)."""
+    if len(a) < 3 or len(b) < 3:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a[2], b[2], strict=False)) if x != y), min(len(a[2]), len(b[2])))
 
 
 def worst(cmp: dict) -> str:
@@ -271,10 +285,28 @@ def ensure_model(H, family: str) -> Path:
     return d
 
 
+def continued(port: int, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each prompt followed by the target's own greedy continuation (CONTINUATION tokens) from the case's server,
+    as the regeneration stage gives a drafter its data: the target's next token after random ids is no function a
+    drafter can learn from a few thousand tokens (trained on those alone it reached 0.005 held-out accuracy and
+    SGLang accepted 1 draft in 100, 2026-12-03), while on its own continuations it is."""
+
+    def one(item: tuple[str, list[int]]) -> tuple[str, list[int]]:
+        sid, ids = item
+        sp = {"max_new_tokens": CONTINUATION, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=300)
+        r.raise_for_status()
+        return sid, ids + r.json()["output_ids"]
+
+    with ThreadPoolExecutor(8) as ex:
+        return dict(ex.map(one, prompts.items()))
+
+
 def run_case(H, case: str, dataset: Path, prompts: dict[str, list[int]], port: int = 0) -> None:
     """One case on ``port`` (0: the bench's SGLang port). Cases may run at once (FAMILIES_PARALLEL): their
     servers start together, their extractions take turns (EXTRACTING: the workers, the environment they are
-    started from and the watched dump dir are the bench's one set)."""
+    started from and the watched dump dir are the bench's one set). ``dataset``: the prompts' file, replaced here
+    by the case's own (the prompts and their continuations)."""
     spec = CASES[case]
     port = port or H.SGL_PORT
     R = RESULTS["cases"].setdefault(case, {})
@@ -288,12 +320,21 @@ def run_case(H, case: str, dataset: Path, prompts: dict[str, list[int]], port: i
     R["server_cmd"] = " ".join(["python"] + argv[1:])
     H.DUMPS.mkdir(parents=True, exist_ok=True)
     dumps: Counter = Counter()
+
+    def start() -> float:
+        H.start(name, argv, H.PY_SGL_PLUGIN, {"EAGLET_DUMP_DIR": str(H.DUMPS)})
+        return H.wait_health(name, port, max(60.0, min(400.0, DEADLINE_S - (time.time() - T0))))
+
     try:
         log(f"{case}: {R['server_cmd']}")
-        H.start(name, argv, H.PY_SGL_PLUGIN, {"EAGLET_DUMP_DIR": str(H.DUMPS)})
-        left = DEADLINE_S - (time.time() - T0)
-        R["startup_s"] = round(H.wait_health(name, port, max(60.0, min(400.0, left))), 1)
+        R["startup_s"] = round(H.once_more_if_refused(name, start, DEADLINE_S - (time.time() - T0) > 150), 1)
         log(f"{case}: healthy after {R['startup_s']}s")
+        prompts = continued(port, prompts)
+        dataset = H.ROOT / f"families-{case}.jsonl"
+        with open(dataset, "w") as f:
+            for sid, ids in prompts.items():
+                mask = [0] * (len(ids) - CONTINUATION) + [1] * CONTINUATION  # the loss on the target's own tokens
+                f.write(json.dumps({"id": sid, "input_ids": ids, "loss_mask": mask}) + "\n")
         with EXTRACTING:
             run_id = f"fam-{case}-{int(time.time())}"
             watch = DumpWatch(H.DUMPS)
@@ -407,8 +448,6 @@ def run_one(H, case: str, dataset: Path, prompts: dict[str, list[int]], port: in
 
 def run_together(H, cases: list[str], dataset: Path, prompts: dict[str, list[int]], out: Path, state: Path) -> int:
     """TP 1 cases PARALLEL at once, each on a port of its own."""
-    from concurrent.futures import ThreadPoolExecutor
-
     for case in cases:
         RESULTS["cases"].setdefault(case, {"tp": 1})["architecture"] = familymodels.ARCHITECTURES[CASES[case]["family"]]
     # the models built and what the threads import, imported here: transformers' lazy imports are not safe to race

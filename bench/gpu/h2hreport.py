@@ -92,6 +92,24 @@ def agreement(texts: list, reference: list) -> dict:
             "first_difference_share_median": round(sorted(shares)[mid], 3) if shares else None}  # fmt: skip
 
 
+def tie_agreement(ids: list, reference: list, reference_gaps: list, tie: float) -> dict:
+    """Greedy outputs (token ids) against the reference's, where a difference may be numerics: per output that
+    differs, the reference's log-probability gap between its top two tokens at the first differing token. A gap
+    within ``tie`` is a near-tie (bf16 in other batch shapes may pick either token); a wider one is a wrong token."""
+    same, gaps = 0, []
+    for a, b, g in zip(ids, reference, reference_gaps, strict=True):
+        if a is None or b is None:
+            continue
+        if a == b:
+            same += 1
+            continue
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        gaps.append(g[n] if g and n < len(g) else None)
+    at_tie = sum(1 for g in gaps if g is not None and g <= tie)
+    return {"same": same, "of": len(ids), "differ_at_near_tie": at_tie, "differ_otherwise": len(gaps) - at_tie,
+            "tie_nats": tie, "first_difference_gaps": sorted(gaps, key=lambda g: (g is None, g))}  # fmt: skip
+
+
 def summarize(results: dict, repeats: list[dict] = ()) -> dict:
     """The figures the table shows, and the ratios eaglet / SpecForge. ``repeats``: the evaluation phase's results
     of other calls on the same drafters (``h2h-eval.json``), shown beside the first: the spread of the speeds."""

@@ -39,6 +39,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import h2hreport
@@ -491,23 +492,39 @@ def eval_prompts(tok) -> dict[str, list[list[int]]]:
 
 
 def decode(
-    prompts: list[list[int]], concurrency: int = EVAL_CONCURRENCY, port: int = 0, max_new_tokens: int = EVAL_TOKENS
+    prompts: list[list[int]],
+    concurrency: int = EVAL_CONCURRENCY,
+    port: int = 0,
+    max_new_tokens: int = EVAL_TOKENS,
+    ids: bool = False,
+    gaps: bool = False,
 ) -> dict:
     """Greedy decoding of every prompt, ``concurrency`` in flight: SGLang's accept length (completion tokens over
     verify steps), the acceptance per draft position (from its per-request histogram of drafts accepted per verify
-    step), and the output tokens/s the client sees."""
+    step), and the output tokens/s the client sees. ``ids``: also each output's token ids; ``gaps``: also, per output
+    token, how far the chosen token's log-probability lies above the runner-up's (near 0 is a near-tie, where
+    another batch shape may pick the other token)."""
     client = httpx.Client(base_url=f"http://127.0.0.1:{port or P.SGL_PORT}", timeout=600,
                           limits=httpx.Limits(max_connections=concurrency + 4))  # fmt: skip
 
-    def one(ids: list[int]) -> dict:
+    def one(prompt: list[int]) -> dict:
         sp = {"max_new_tokens": max_new_tokens, "temperature": 0}
-        r = client.post("/generate", json={"input_ids": ids, "sampling_params": sp})
+        req = {"input_ids": prompt, "sampling_params": sp}
+        if gaps:
+            req.update(return_logprob=True, top_logprobs_num=2)
+        r = client.post("/generate", json=req)
         if r.status_code != 200:
             return {"error": r.text[:200]}
         body, meta = r.json(), r.json()["meta_info"]
         hist = meta.get("spec_correct_drafts_histogram") or meta.get("spec_accept_histogram") or []
-        return {"text": body["text"], "hist": hist,
-                **{k: meta.get(k) for k in ("completion_tokens", "spec_verify_ct")}}  # fmt: skip
+        out = {"text": body["text"], "hist": hist,
+               **{k: meta.get(k) for k in ("completion_tokens", "spec_verify_ct")}}  # fmt: skip
+        if ids:
+            out["ids"] = body.get("output_ids")
+        if gaps:
+            out["gaps"] = [round(t[0][0] - t[1][0], 4) if len(t) > 1 else None
+                           for t in meta.get("output_top_logprobs") or []]  # fmt: skip
+        return out
 
     fan_out(one, prompts[:4], 4)  # warm-up
     t = time.time()
@@ -527,6 +544,7 @@ def decode(
         "accept_length": round(tokens / verifies, 4) if verifies else None,
         **h2hreport.position_acceptance([o["hist"] for o in ok]),
         "texts": [o.get("text") for o in outs],
+        **{k: [o.get(k) for o in outs] for k, on in (("ids", ids), ("gaps", gaps)) if on},
     }
 
 
@@ -538,16 +556,10 @@ def eagle3_flags(drafter_dir: str, chain: tuple) -> list[str]:
 
 
 def start_sharing(name: str, model: Path, extra: list[str], port: int) -> float:
-    """Plain SGLang on ``port`` beside other servers starting on the same GPU: one that finds the GPU's memory in
-    flux and refuses the KV cache is started once more (while the call has time for it). Returns its startup s."""
-    try:
-        return P.sglang(name, model, plugin=False, extra=extra, timeout=300, port=port)
-    except RuntimeError as e:
-        if KV_REFUSED not in str(e) or time_left() < 130:
-            raise
-        P.log(f"{name}: refused for memory while others started; once more")
-        P.stop(name)
-        return P.sglang(name, model, plugin=False, extra=extra, timeout=300, port=port)
+    """Plain SGLang on ``port`` beside other servers starting on the same GPU (``phases.once_more_if_refused``).
+    Returns its startup s."""
+    start = partial(P.sglang, name, model, plugin=False, extra=extra, timeout=300, port=port)
+    return P.once_more_if_refused(name, start, time_left() >= 130)
 
 
 def evaluate(
@@ -676,10 +688,6 @@ ABLATE_CHECKPOINT_EVERY = int(os.environ.get("H2H_ABLATE_CHECKPOINT_EVERY", "200
 # its start, so each takes at most an eighth of the GPU (the 135M target's KV for 64 requests is under 1 GB)
 EVAL_PARALLEL = int(os.environ.get("H2H_EVAL_PARALLEL", "7"))
 EVAL_PARALLEL_MEM = 0.12
-# SGLang refuses to start when the memory its weights took looks larger than its fraction, and servers starting at
-# the same moment count each other's loading as their own (seen: "minimum viable 0.107" at 0.1): such a start is
-# tried once more, after the others have loaded
-KV_REFUSED = "leave no GPU memory for the KV cache"
 
 
 def phase_extract_fp8() -> None:

@@ -133,6 +133,25 @@ def wait_health(name: str, port: int, timeout: float) -> float:
     raise RuntimeError(f"{name}: no /health after {timeout}s:\n{tail(name, 60)}")
 
 
+# SGLang refuses to start when the memory its weights took looks larger than its fraction, and servers starting at
+# the same moment count each other's loading as their own (seen: "minimum viable 0.107" at 0.1): such a start is
+# tried once more, after the others have loaded
+KV_REFUSED = "leave no GPU memory for the KV cache"
+
+
+def once_more_if_refused(name: str, start, may_retry: bool = True) -> float:
+    """``start()``: a server's start beside others on the same GPU, returning its startup s. One that refused the KV
+    cache while the others loaded is stopped and started once more (when ``may_retry``: the call has time for it)."""
+    try:
+        return start()
+    except RuntimeError as e:
+        if KV_REFUSED not in str(e) or not may_retry:
+            raise
+        log(f"{name}: refused for memory while others started; once more")
+        stop(name)
+        return start()
+
+
 def redis_up() -> None:
     """One redis-server for all phases and calls (never stopped here: run state stays for later phases)."""
     ensure(REDIS)

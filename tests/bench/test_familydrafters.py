@@ -1,13 +1,15 @@
-"""The family drafters' verdict: a drafter that loads and accepts nothing, or changes the greedy text, fails."""
+"""The family drafters' verdict: a drafter that loads and accepts nothing, or changes the greedy output other than at
+the target's near-ties, fails."""
 
 import json
 
 import familydrafters
+import h2hreport
 
 
-def decoded(accept_length, same=32, of=32, **extra):
-    return {"accept_length": accept_length, "errors": 0,
-            "same_text_as_target_alone": {"same": same, "of": of}, **extra}  # fmt: skip
+def decoded(accept_length, same=32, of=32, at_tie=0, **extra):
+    agreement = {"same": same, "of": of, "differ_at_near_tie": at_tie, "differ_otherwise": of - same - at_tie}
+    return {"accept_length": accept_length, "errors": 0, "same_ids_as_target_alone": agreement, **extra}
 
 
 def test_a_drafter_that_is_accepted_and_keeps_the_text_passes():
@@ -19,9 +21,21 @@ def test_a_drafter_loaded_but_never_accepted_fails():
     assert status == "failed" and "accept length 1.0" in why[0] and "not accepted" in why[0]
 
 
-def test_other_text_than_the_target_alone_fails_even_when_accepted():
-    status, why = familydrafters.verdict({"errors": 0}, decoded(2.0, same=30))
-    assert status == "failed" and why == ["30 of 32 greedy outputs equal the target alone's"]
+def test_other_output_than_the_target_alone_fails_even_when_accepted():
+    status, why = familydrafters.verdict({"errors": 0}, decoded(2.0, same=29, at_tie=1))
+    assert status == "failed" and why[0].startswith("2 of 32 greedy outputs differ from the target alone's where")
+
+
+def test_outputs_that_part_only_at_the_target_s_near_ties_pass():
+    assert familydrafters.verdict({"errors": 0}, decoded(2.0, same=29, at_tie=3)) == ("ok", [])
+
+
+def test_where_outputs_first_part_is_judged_by_the_reference_s_top_two_gap():
+    reference = [[5, 6, 7], [5, 6, 7], [5, 6, 7], [1, 2]]
+    gaps = [[3.0, 0.1, 2.0], [3.0, 2.0, 2.0], [1.0, 1.0, 1.0], [0.5, 0.5]]
+    got = h2hreport.tie_agreement([[5, 9, 9], [5, 9, 7], [5, 6, 7], None], reference, gaps, 0.25)
+    assert got == {"same": 1, "of": 4, "differ_at_near_tie": 1, "differ_otherwise": 1, "tie_nats": 0.25,
+                   "first_difference_gaps": [0.1, 2.0]}  # fmt: skip
 
 
 def test_a_server_that_did_not_come_up_fails_with_its_error():
@@ -33,11 +47,11 @@ def test_every_tp1_family_is_a_case_and_the_table_names_each():
     assert familydrafters.tp1_cases() == ["llama-tp1", "qwen3-tp1", "deepseek-tp1", "qwen3moe-tp1", "kimi-tp1",
                                           "gptoss-tp1", "gemma3-tp1"]  # fmt: skip
     results = {"steps": 300, "prompts": 32, "tokens": 64, "cases": {
-        "llama-tp1": {"architecture": "LlamaForCausalLM", "status": "ok", "drafted": decoded(1.9),
-                      "train": {"probe": {"final": {"acc": [0.8, 0.5]}}}},
+        "llama-tp1": {"architecture": "LlamaForCausalLM", "status": "ok", "drafted": decoded(1.9, same=31, at_tie=1),
+                      "train": {"probe": {"final": {"heldout_acc": [0.8, 0.5]}}}},
         "gptoss-tp1": {"architecture": "GptOssForCausalLM", "skipped": "skipped: no extraction"}}}  # fmt: skip
     md = familydrafters.markdown(results)
-    assert "| llama-tp1 | LlamaForCausalLM | ok | 0.80 / 0.50 | 1.900 |" in md
+    assert "| llama-tp1 | LlamaForCausalLM | ok | 0.80 / 0.50 | 1.900 | — | 31/32 (1 / 0) |" in md
     assert "| gptoss-tp1 | GptOssForCausalLM | skipped: no extraction |" in md
 
 
