@@ -5,11 +5,13 @@
 For each case: a tiny random-weight model of the family (bench/gpu/familymodels.py, built on first use), SGLang
 0.5.17 started through eaglet's launcher (chunked prefill 64 so prompts split, CUDA graphs and the overlap
 scheduler on, triton attention, pytorch sampling), then 4 of eaglet's extractor workers extract 32
-pre-tokenized samples (20..400 tokens of the ids the tiny models predict). Checked per case:
+pre-tokenized samples: 20..400 random tokens of the ids the tiny models predict, each followed by the target's own
+greedy continuation of 64 tokens from the same server (``continued``), the loss on those. Checked per case:
   - every request's dump written exactly once (the dump dir is watched with inotify: each ``<rid>.safetensors``
     renamed into place is one dump; the workers delete them after storing);
   - every stored sample's rows equal its prompt length, widths H and 3H, all values finite;
-  - TP 2 stored states against the TP 1 stored states of the same prompts (max abs diff, min cosine per tensor);
+  - TP 2 stored states against the TP 1 stored states of the same prompts (max abs diff, min cosine per tensor,
+    over the tokens both share: two servers' continuations may part at a near-tie);
   - Llama, Qwen3 and DeepSeek-V3 TP 1 against transformers' own forward on the same GPU: aux = hidden_states[i]
     of transformers for SGLang's ids i (the residual entering layer i), final = last hidden state after the norm;
   - Kimi-K2.5 (the same language weights as the DeepSeek-V3 model) against DeepSeek-V3 at the same TP.

@@ -12,13 +12,17 @@ For each case with a stored run on this machine (families.py's state, ``families
   3. SGLang with the drafter (``--speculative-algorithm EAGLE3``, chain (3, 1, 4)) on the same prompts;
      FAMDRAFT_PARALLEL (3) cases at once, each on a port of its own (tiny targets: the GPU has room for them).
 A case passes when the server with the drafter comes up (SGLang loads it), every greedy output equals the target
-alone's, and the accept length is at least ACCEPT_FLOOR: a drafter that loads and accepts nothing (accept length
-1.0, no error: what a wrong layer, vocabulary map or norm gives) is a failure. The tiny random targets predict 256
-ids with a peaked LM head, and the prompts are drawn from those ids (bench/gpu/familymodels.py says why), so a
-drafter fed the right states learns them within the steps given. Both servers run without CUDA graphs (SGLang 0.5.17
-captures EAGLE-3's graphs through deep_gemm, which the image lacks) and with the same flags otherwise, so greedy
-outputs compare. Results: $OUT/familydrafters.json and $OUT/familydrafters.md; a failure is recorded with the
-server's log tail and the run goes on. A case is skipped when FAMDRAFT_DEADLINE_S (default 540) would be passed.
+alone's or first parts from it where the target's top two tokens lie within TIE_NATS (SGLang 0.5.17 serves these
+models in bf16 only: its CUDA RMSNorm refuses float32, and bf16 in other batch shapes may pick either of two tied
+tokens; the target alone decoded again at REPEAT_CONCURRENCY shows how often it parts from itself), and the accept
+length is at least ACCEPT_FLOOR: a drafter that loads and accepts nothing (accept length 1.0, no error: what a wrong
+layer, vocabulary map or norm gives) is a failure. The tiny random targets predict 256 ids with a peaked LM head,
+the prompts are drawn from those ids and the stored samples carry the target's own continuations
+(bench/gpu/familymodels.py says why), so a drafter fed the right states learns them within the steps given. Both
+servers run without CUDA graphs (SGLang 0.5.17 captures EAGLE-3's graphs through deep_gemm, which the image lacks)
+and with the same flags otherwise, so greedy outputs compare. Results: $OUT/familydrafters.json and
+$OUT/familydrafters.md; a failure is recorded with the server's log tail and the run goes on. A case is skipped when
+FAMDRAFT_DEADLINE_S (default 540) would be passed.
 """
 
 import json
