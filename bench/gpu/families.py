@@ -331,11 +331,12 @@ def run_case(H, case: str, dataset: Path, prompts: dict[str, list[int]], port: i
         log(f"{case}: {R['server_cmd']}")
         R["startup_s"] = round(H.once_more_if_refused(name, start, DEADLINE_S - (time.time() - T0) > 150), 1)
         log(f"{case}: healthy after {R['startup_s']}s")
-        prompts = continued(port, prompts)
+        given, prompts = prompts, continued(port, prompts)
         dataset = H.ROOT / f"families-{case}.jsonl"
         with open(dataset, "w") as f:
             for sid, ids in prompts.items():
-                mask = [0] * (len(ids) - CONTINUATION) + [1] * CONTINUATION  # the loss on the target's own tokens
+                n = len(given[sid])
+                mask = [0] * n + [1] * (len(ids) - n)  # the loss on the target's own tokens
                 f.write(json.dumps({"id": sid, "input_ids": ids, "loss_mask": mask}) + "\n")
         with EXTRACTING:
             run_id = f"fam-{case}-{int(time.time())}"
