@@ -52,7 +52,10 @@ os.environ.update(NO_MULTICAST)
 
 T0 = time.time()
 DEADLINE_S = float(os.environ.get("FAMILIES_DEADLINE_S", "540"))
-N_SAMPLES, N_WORKERS, CHUNK = 32, 4, 64
+N_SAMPLES, N_WORKERS, CHUNK = 100, 4, 64
+# random ids at lengths around the 64-token prefill chunk and one long prompt; the other samples are demo prompts
+BOUNDARY_LENGTHS = (20, 63, 64, 65, 128, 400)
+DEMO_PROMPTS = HERE.parents[1] / "data" / "demo" / "prompts-train.jsonl"
 CONTINUATION = 64  # the target's own greedy tokens after each prompt (``continued``)
 BASE_FLAGS = [
     "--chunked-prefill-size",
@@ -129,9 +132,13 @@ def server_argv(case: str, model: Path, dump_dir: Path, port: int) -> list[str]:
     return argv
 
 
-def lengths() -> list[int]:
-    rng = random.Random(7)
-    return [20, 63, 64, 65, 128, 400] + [rng.randint(20, 400) for _ in range(N_SAMPLES - 6)]
+def prompt_set(tokenizer: Path) -> dict[str, list[int]]:
+    """The samples' prompts: BOUNDARY_LENGTHS random ids of the tokens the tiny targets predict (where chunked
+    prefill splits a prompt), then demo prompts in the chat template (the prompts of the families table's CPU cells),
+    N_SAMPLES in all."""
+    rng, ids = random.Random(11), familymodels.PREDICTED_TOKENS
+    out = {f"b{i:03d}": [rng.randrange(ids.start, ids.stop) for _ in range(n)] for i, n in enumerate(BOUNDARY_LENGTHS)}
+    return out | familymodels.chat_prompts(tokenizer, DEMO_PROMPTS, N_SAMPLES - len(BOUNDARY_LENGTHS))
 
 
 # --- the dump dir, watched -----------------------------------------------------------------------------
@@ -304,11 +311,11 @@ def continued(port: int, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
         return dict(ex.map(one, prompts.items()))
 
 
-def run_case(H, case: str, dataset: Path, prompts: dict[str, list[int]], port: int = 0) -> None:
+def run_case(H, case: str, prompts: dict[str, list[int]], port: int = 0) -> None:
     """One case on ``port`` (0: the bench's SGLang port). Cases may run at once (FAMILIES_PARALLEL): their
     servers start together, their extractions take turns (EXTRACTING: the workers, the environment they are
-    started from and the watched dump dir are the bench's one set). ``dataset``: the prompts' file, replaced here
-    by the case's own (the prompts and their continuations)."""
+    started from and the watched dump dir are the bench's one set). Its samples: the prompts and the target's
+    continuations (``continued``)."""
     spec = CASES[case]
     port = port or H.SGL_PORT
     R = RESULTS["cases"].setdefault(case, {})
@@ -431,12 +438,12 @@ def write_outputs(out: Path) -> None:
     (out / "families.md").write_text(text)
 
 
-def run_one(H, case: str, dataset: Path, prompts: dict[str, list[int]], port: int = 0) -> int:
+def run_one(H, case: str, prompts: dict[str, list[int]], port: int = 0) -> int:
     """``run_case`` with its failure recorded (server log tail included) in place of its figures; 1 if it failed."""
     R = RESULTS["cases"][case]
     log(f"=== {case}")
     try:
-        run_case(H, case, dataset, prompts, port)
+        run_case(H, case, prompts, port)
         log(f"{case}: {R['status']} in {R['wall_s']}s")
         return 0
     except Exception as e:
@@ -449,7 +456,7 @@ def run_one(H, case: str, dataset: Path, prompts: dict[str, list[int]], port: in
         return 1
 
 
-def run_together(H, cases: list[str], dataset: Path, prompts: dict[str, list[int]], out: Path, state: Path) -> int:
+def run_together(H, cases: list[str], prompts: dict[str, list[int]], out: Path, state: Path) -> int:
     """TP 1 cases PARALLEL at once, each on a port of its own."""
     for case in cases:
         RESULTS["cases"].setdefault(case, {"tp": 1})["architecture"] = familymodels.ARCHITECTURES[CASES[case]["family"]]
@@ -464,7 +471,7 @@ def run_together(H, cases: list[str], dataset: Path, prompts: dict[str, list[int
 
     ports = {case: H.SGL_PORT + 40 + i for i, case in enumerate(cases)}
     with ThreadPoolExecutor(PARALLEL) as ex:
-        failed = sum(ex.map(lambda c: run_one(H, c, dataset, prompts, ports[c]), cases))
+        failed = sum(ex.map(lambda c: run_one(H, c, prompts, ports[c]), cases))
     write_outputs(out)
     state.write_text(json.dumps(RESULTS, default=str))
     return int(failed > 0)
@@ -501,19 +508,15 @@ def main(argv: list[str]) -> int:
     RESULTS.update({"gpus": gpus, "samples": N_SAMPLES, "workers": N_WORKERS, "chunked_prefill_size": CHUNK})
     RESULTS["flags"] = " ".join(BASE_FLAGS) + " (TP 2: " + " ".join(TP2_FLAGS) + ")"
     RESULTS["env"] = NO_MULTICAST
-    lens = lengths()
-    dataset = H.ROOT / "families.jsonl"
-    # the ids the models predict (familymodels.PREDICTED_TOKENS): a drafter trained on these runs can learn them
-    ids = familymodels.PREDICTED_TOKENS
-    H.pretokenized(dataset, lens, ids.stop, seed=11, low=ids.start)
-    prompts = {json.loads(x)["id"]: json.loads(x)["input_ids"] for x in dataset.read_text().splitlines()}
+    prompts = prompt_set(H.S / "tokenizer")  # the tokenizer every tiny model was built with
+    lens = [len(ids) for ids in prompts.values()]
     RESULTS["lengths"] = {"min": min(lens), "max": max(lens), "split_by_chunking": sum(n > CHUNK for n in lens)}
     rc = 0
     H.redis_up()
     try:
         together = [c for c in wanted if CASES[c]["tp"] == 1] if PARALLEL > 1 else []
         if together:
-            rc |= run_together(H, together, dataset, prompts, out, state)
+            rc |= run_together(H, together, prompts, out, state)
         for i, case in enumerate(c for c in wanted if c not in together):
             R = RESULTS["cases"].setdefault(case, {"tp": CASES[case]["tp"]})
             R["architecture"] = familymodels.ARCHITECTURES[CASES[case]["family"]]
@@ -525,7 +528,7 @@ def main(argv: list[str]) -> int:
             if "skipped" in R:
                 log(f"{case}: {R['skipped']}")
                 continue
-            rc |= run_one(H, case, dataset, prompts)
+            rc |= run_one(H, case, prompts)
             write_outputs(out)
             state.write_text(json.dumps(RESULTS, default=str))
     finally:

@@ -4,11 +4,12 @@
     python3 bench/gpu/familydrafters.py --report A.json B.json ...   (one table from several calls' records, in $OUT)
 
 For each case with a stored run on this machine (families.py's state, ``families-results.json``):
-  1. eaglet's trainer on the case's 32 stored samples (bench/gpu/ablate.py: the default recipe, FAMDRAFT_STEPS
-     (300) optimizer steps), every case's trainer at once on the one GPU, each drafter into
+  1. eaglet's trainer on the case's stored samples (families.N_SAMPLES: demo prompts and a few random ones, each
+     followed by the target's own continuation; bench/gpu/ablate.py: the default recipe, FAMDRAFT_STEPS (300)
+     optimizer steps), every case's trainer at once on the one GPU, each drafter into
      ``<root>/fam-drafters/<case>/drafter``;
-  2. SGLang 0.5.17 (launch_server, no plugin) with the target alone: FAMDRAFT_PROMPTS (32) new random prompts,
-     greedy, FAMDRAFT_TOKENS (64) tokens each;
+  2. SGLang 0.5.17 (launch_server, no plugin) with the target alone: FAMDRAFT_PROMPTS (32) held-out demo prompts
+     (``data/demo/eval.jsonl`` in the chat template), greedy, FAMDRAFT_TOKENS (64) tokens each;
   3. SGLang with the drafter (``--speculative-algorithm EAGLE3``, chain (3, 1, 4)) on the same prompts;
      FAMDRAFT_PARALLEL (3) cases at once, each on a port of its own (tiny targets: the GPU has room for them).
 A case passes when the server with the drafter comes up (SGLang loads it), every greedy output equals the target
@@ -16,9 +17,9 @@ alone's or first parts from it where the target's top two tokens lie within TIE_
 models in bf16 only: its CUDA RMSNorm refuses float32, and bf16 in other batch shapes may pick either of two tied
 tokens; the target alone decoded again at REPEAT_CONCURRENCY shows how often it parts from itself), and the accept
 length is at least ACCEPT_FLOOR: a drafter that loads and accepts nothing (accept length 1.0, no error: what a wrong
-layer, vocabulary map or norm gives) is a failure. The tiny random targets predict 256 ids with a peaked LM head,
-the prompts are drawn from those ids and the stored samples carry the target's own continuations
-(bench/gpu/familymodels.py says why), so a drafter fed the right states learns them within the steps given. Both
+layer, vocabulary map or norm gives) is a failure. The tiny random targets predict 256 ids with a peaked LM head and
+the drafters learn them from the targets' own continuations of demo prompts (bench/gpu/familymodels.py says why), as
+the families table's CPU cells did. Both
 servers run without CUDA graphs (SGLang 0.5.17 captures EAGLE-3's graphs through deep_gemm, which the image lacks)
 and with the same flags otherwise, so greedy outputs compare. Results: $OUT/familydrafters.json and
 $OUT/familydrafters.md; a failure is recorded with the server's log tail and the run goes on. A case is skipped when
@@ -46,6 +47,7 @@ STEPS = int(os.environ.get("FAMDRAFT_STEPS", "300"))
 N_PROMPTS = int(os.environ.get("FAMDRAFT_PROMPTS", "32"))
 N_TOKENS = int(os.environ.get("FAMDRAFT_TOKENS", "64"))
 CHAIN = (3, 1, 4)
+EVAL_PROMPTS = HERE.parents[1] / "data" / "demo" / "eval.jsonl"
 ACCEPT_FLOOR = 1.1
 TIE_NATS = 0.25  # an output may differ first where the target's top two tokens lie within this (bf16 numerics)
 REPEAT_CONCURRENCY = 4  # the target alone once more, in other batches: how far bf16 alone moves greedy outputs
@@ -90,8 +92,9 @@ def markdown(results: dict) -> str:
         "# Every family's drafter in SGLang (one H200, tiny random targets)",
         "",
         f"Written by `bench/gpu/familydrafters.py`. Drafters: eaglet's trainer, {results.get('steps')} steps on each "
-        f"case's 32 stored samples. Decoding: SGLang 0.5.17, EAGLE3 at {CHAIN}, {results.get('prompts')} random "
-        f"prompts, {results.get('tokens')} tokens each, greedy; pass: loads, outputs equal the target alone's, "
+        f"case's {families.N_SAMPLES} stored samples. Decoding: SGLang 0.5.17, EAGLE3 at {CHAIN}, "
+        f"{results.get('prompts')} held-out demo prompts, {results.get('tokens')} tokens each, greedy; pass: loads, "
+        f"outputs equal the target alone's but at its near-ties (top two within {TIE_NATS} nats), "
         f"accept length >= {ACCEPT_FLOOR}.",
         "",
         "| case | architecture | status | drafter acc per step (held-out) | accept length | per position | "
@@ -190,10 +193,8 @@ def main(argv: list[str]) -> int:
     extracted = json.loads(state.read_text()).get("cases", {}) if state.exists() else {}
     results: dict = {"steps": STEPS, "prompts": N_PROMPTS, "tokens": N_TOKENS, "chain": str(CHAIN), "cases": {}}
     H.redis_up()
-    prompts_file = H.ROOT / "familydrafters-prompts.jsonl"
-    ids = families.familymodels.PREDICTED_TOKENS  # what the drafters were trained on (families.py's dataset)
-    H.pretokenized(prompts_file, [24 + 8 * (i % 8) for i in range(N_PROMPTS)], ids.stop, seed=23, low=ids.start)
-    prompts = [json.loads(x)["input_ids"] for x in prompts_file.read_text().splitlines()]
+    # held-out demo prompts in the chat template (families.py's samples are the training ones)
+    prompts = list(families.familymodels.chat_prompts(H.S / "tokenizer", EVAL_PROMPTS, N_PROMPTS).values())
 
     jobs = []
     for case in wanted:
