@@ -73,6 +73,11 @@ def position_acceptance(histograms: list[list[int]]) -> dict:
             "accept_rate_per_position": [round(sum(total[k:]) / steps, 4) for k in range(1, len(total))]}  # fmt: skip
 
 
+def first_difference(a, b) -> int:
+    """Where two sequences (texts or token ids) first differ: the length of their common prefix."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def agreement(texts: list, reference: list) -> dict:
     """How many greedy outputs equal the reference outputs, and where the others first differ (characters of the
     reference before the first difference, and that as a share of its length: late differences point at
@@ -84,7 +89,7 @@ def agreement(texts: list, reference: list) -> dict:
         if a == b:
             same += 1
             continue
-        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        n = first_difference(a, b)
         firsts.append(n)
         shares.append(n / max(len(b), 1))
     mid = len(firsts) // 2
@@ -103,7 +108,7 @@ def tie_agreement(ids: list, reference: list, reference_gaps: list, tie: float) 
         if a == b:
             same += 1
             continue
-        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        n = first_difference(a, b)
         gaps.append(g[n] if g and n < len(g) else None)
     at_tie = sum(1 for g in gaps if g is not None and g <= tie)
     return {"same": same, "of": len(ids), "differ_at_near_tie": at_tie, "differ_otherwise": len(gaps) - at_tie,
