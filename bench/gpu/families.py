@@ -4,9 +4,10 @@
 
 For each case: a tiny random-weight model of the family (bench/gpu/familymodels.py, built on first use), SGLang
 0.5.17 started through eaglet's launcher (chunked prefill 64 so prompts split, CUDA graphs and the overlap
-scheduler on, triton attention, pytorch sampling), then 4 of eaglet's extractor workers extract 32
-pre-tokenized samples: 20..400 random tokens of the ids the tiny models predict, each followed by the target's own
-greedy continuation of 64 tokens from the same server (``continued``), the loss on those. Checked per case:
+scheduler on, triton attention, pytorch sampling), then 4 of eaglet's extractor workers extract N_SAMPLES (100)
+pre-tokenized samples (``prompt_set``: 6 prompts of random ids the tiny models predict, at lengths around the
+prefill chunk, and 94 demo prompts in the chat template), each followed by the target's own greedy continuation of
+64 tokens from the same server (``continued``), the loss on those. Checked per case:
   - every request's dump written exactly once (the dump dir is watched with inotify: each ``<rid>.safetensors``
     renamed into place is one dump; the workers delete them after storing);
   - every stored sample's rows equal its prompt length, widths H and 3H, all values finite;
@@ -46,6 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import familymodels  # noqa: E402
+import h2hreport  # noqa: E402
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(NO_MULTICAST)
@@ -254,9 +256,7 @@ def compare(a: dict, b: dict) -> dict:
 
 def shared_prefix(a: tuple, b: tuple) -> int | None:
     """How many leading ids two stored samples share (None, i.e. all rows: a reference without ids)."""
-    if len(a) < 3 or len(b) < 3:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a[2], b[2], strict=False)) if x != y), min(len(a[2]), len(b[2])))
+    return None if len(a) < 3 or len(b) < 3 else h2hreport.first_difference(a[2], b[2])
 
 
 def worst(cmp: dict) -> str:

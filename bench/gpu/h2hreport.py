@@ -78,20 +78,27 @@ def first_difference(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def agreement(texts: list, reference: list) -> dict:
-    """How many greedy outputs equal the reference outputs, and where the others first differ (characters of the
-    reference before the first difference, and that as a share of its length: late differences point at
-    numerics rather than a wrong token)."""
-    same, firsts, shares = 0, [], []
-    for a, b in zip(texts, reference, strict=True):
+def parted(outputs: list, reference: list) -> tuple[int, list[tuple[int, int]]]:
+    """Outputs against the reference's, both present: how many are equal, and (which, where it first differs) for
+    the others."""
+    same, parts = 0, []
+    for k, (a, b) in enumerate(zip(outputs, reference, strict=True)):
         if a is None or b is None:
             continue
         if a == b:
             same += 1
-            continue
-        n = first_difference(a, b)
-        firsts.append(n)
-        shares.append(n / max(len(b), 1))
+        else:
+            parts.append((k, first_difference(a, b)))
+    return same, parts
+
+
+def agreement(texts: list, reference: list) -> dict:
+    """How many greedy outputs equal the reference outputs, and where the others first differ (characters of the
+    reference before the first difference, and that as a share of its length: late differences point at
+    numerics rather than a wrong token)."""
+    same, parts = parted(texts, reference)
+    firsts = [n for _, n in parts]
+    shares = [n / max(len(reference[k]), 1) for k, n in parts]
     mid = len(firsts) // 2
     return {"same": same, "of": len(texts), "first_difference_chars_median": sorted(firsts)[mid] if firsts else None,
             "first_difference_share_median": round(sorted(shares)[mid], 3) if shares else None}  # fmt: skip
@@ -101,15 +108,8 @@ def tie_agreement(ids: list, reference: list, reference_gaps: list, tie: float) 
     """Greedy outputs (token ids) against the reference's, where a difference may be numerics: per output that
     differs, the reference's log-probability gap between its top two tokens at the first differing token. A gap
     within ``tie`` is a near-tie (bf16 in other batch shapes may pick either token); a wider one is a wrong token."""
-    same, gaps = 0, []
-    for a, b, g in zip(ids, reference, reference_gaps, strict=True):
-        if a is None or b is None:
-            continue
-        if a == b:
-            same += 1
-            continue
-        n = first_difference(a, b)
-        gaps.append(g[n] if g and n < len(g) else None)
+    same, parts = parted(ids, reference)
+    gaps = [reference_gaps[k][n] if reference_gaps[k] and n < len(reference_gaps[k]) else None for k, n in parts]
     at_tie = sum(1 for g in gaps if g is not None and g <= tie)
     return {"same": same, "of": len(ids), "differ_at_near_tie": at_tie, "differ_otherwise": len(gaps) - at_tie,
             "tie_nats": tie, "first_difference_gaps": sorted(gaps, key=lambda g: (g is None, g))}  # fmt: skip
