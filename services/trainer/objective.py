@@ -1,6 +1,7 @@
 """The EAGLE-3 training-time-test objective: the drafter unrolled over stored hidden states and its loss against the
 target's distribution (forward KL or the acceptance-aware LK losses), and its figures on a held-out split."""
 
+import logging
 from pathlib import Path
 
 import torch
@@ -14,6 +15,8 @@ from eaglet.services.trainer.onpolicy import ChainReplay
 from eaglet.services.trainer.topk import draft_index, topk_terms
 from eaglet.services.trainer.unreadable import UnreadableSamples
 from eaglet.shared.store import StoreError
+
+log = logging.getLogger(__name__)
 
 
 class TTTObjective(nn.Module):
@@ -243,10 +246,15 @@ def heldout_figures(
     objective.train(was_training)
     if world > 1:
         dist.all_reduce(sums)
-    loss, *acc = (sums[:-1] / sums[-1]).tolist()
+    if sums[-1] == 0:  # every held-out sample unreadable (each already noted): no figure, rather than 0 / 0
+        log.warning("run %s: none of the %d held-out samples could be read: no held-out figures", run_id, len(items))
+        loss, acc = None, None
+    else:
+        mean_loss, *mean_acc = (sums[:-1] / sums[-1]).tolist()
+        loss, acc = round(mean_loss, 5), [round(a, 4) for a in mean_acc]
     return {
-        "heldout_loss": round(loss, 5),
-        "heldout_acc": [round(a, 4) for a in acc],
+        "heldout_loss": loss,
+        "heldout_acc": acc,
         "samples": len(items),
         "tokens": sum(min(it.length, max_len) for it in items),  # what collate keeps of each
     }

@@ -60,7 +60,7 @@ class Reporter:
 
     def heldout(self, step: int, figures: dict) -> None:
         self.set(TrainProgress(**figures))
-        if self.enabled and figures:
+        if self.enabled and figures and figures["heldout_loss"] is not None:
             self.curves.heldout(step, figures["heldout_loss"], figures["heldout_acc"])
 
     def close(self) -> None:

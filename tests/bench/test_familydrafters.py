@@ -8,7 +8,8 @@ import h2hreport
 
 
 def decoded(accept_length, same=32, of=32, at_tie=0, **extra):
-    agreement = {"same": same, "of": of, "differ_at_near_tie": at_tie, "differ_otherwise": of - same - at_tie}
+    agreement = {"same": same, "of": of, "differ_at_near_tie": at_tie, "differ_otherwise": of - same - at_tie,
+                 "tie_nats": familydrafters.TIE_NATS}  # fmt: skip
     return {"accept_length": accept_length, "errors": 0, "same_ids_as_target_alone": agreement, **extra}
 
 
@@ -38,6 +39,12 @@ def test_where_outputs_first_part_is_judged_by_the_reference_s_top_two_gap():
                    "first_difference_gaps": [0.1, 2.0]}  # fmt: skip
 
 
+def test_a_case_s_near_tie_widens_to_where_the_target_alone_parts_from_itself():
+    assert familydrafters.case_tie({"same_ids_again": {"first_difference_gaps": [0.0, 0.0625]}}) == 0.25
+    assert familydrafters.case_tie({"same_ids_again": {"first_difference_gaps": [0.4375, 0.625, None]}}) == 0.625
+    assert familydrafters.case_tie({"error": "no server"}) == familydrafters.TIE_NATS
+
+
 def test_a_server_that_did_not_come_up_fails_with_its_error():
     status, why = familydrafters.verdict({"errors": 0}, {"error": "RuntimeError: fam exited (1)"})
     assert status == "failed" and why == ["with the drafter: RuntimeError: fam exited (1)"]
@@ -51,7 +58,7 @@ def test_every_tp1_family_is_a_case_and_the_table_names_each():
                       "train": {"probe": {"final": {"heldout_acc": [0.8, 0.5]}}}},
         "gptoss-tp1": {"architecture": "GptOssForCausalLM", "skipped": "skipped: no extraction"}}}  # fmt: skip
     md = familydrafters.markdown(results)
-    assert "| llama-tp1 | LlamaForCausalLM | ok | 0.80 / 0.50 | 1.900 | — | 31/32 (1 / 0) |" in md
+    assert "| llama-tp1 | LlamaForCausalLM | ok | 0.80 / 0.50 | 1.900 | — | 31/32 (1 / 0) | 0.250 |" in md
     assert "| gptoss-tp1 | GptOssForCausalLM | skipped: no extraction |" in md
 
 

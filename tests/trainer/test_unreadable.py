@@ -75,3 +75,17 @@ def test_more_unreadable_samples_than_allowed_fail_the_run_saying_so(redis, tmp_
     assert state.train().unreadable_samples == 2  # the second is one too many: the third is never reached
     report = read_run(redis, "worse", config=StatusConfig()).run
     assert report.training.state == "failed" and report.training.unreadable_samples == 2
+
+
+def test_a_heldout_split_with_no_readable_sample_gives_no_figures_not_nan(redis, tmp_path, tiny_model_dir):
+    make_run(redis, tmp_path, tiny_model_dir, "blind", n=24)
+    held = [f"s{i:04d}" for i in range(24) if is_heldout(f"s{i:04d}", HELDOUT)]
+    assert held, "the split holds none out: the test would prove nothing"
+    for sample_id in held:
+        truncate(sample_path(tmp_path, "blind", sample_id))
+    cfg = small(epochs=1, heldout_fraction=HELDOUT, max_unreadable=0.5)
+    final = train(redis=redis, run_id="blind", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=cfg, env=Dist())
+    progress = RunState(redis, "blind").train()
+    assert final["step"] == progress.total_steps
+    assert final["heldout_loss"] is None and final["heldout_acc"] is None
+    assert progress.heldout_loss is None and progress.unreadable_samples == len(held)
