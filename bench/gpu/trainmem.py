@@ -2,7 +2,7 @@
 allocates at a real target shape and sample length, on fake tensors (no memory behind them), under bf16 autocast
 as on the GPU, with FlexAttention's fused kernel standing in by what it allocates.
 
-    .venv/bin/python bench/gpu/trainmem.py [--shapes kimi,l8b] [--lengths 2048,32768] [--flags "--checkpoint-steps"]
+    .venv/bin/python bench/gpu/trainmem.py [--shapes kimi,l8b] [--lengths 2048,32768] [--flags "--checkpoint-steps 7"]
 
 Per (shape, length, trainer flags): the peak of the live bytes, what was live at the peak grouped by kind (each
 shape written in the drafter's symbols: T tokens, H hidden, I intermediate, Vd draft vocabulary, ...), the largest
@@ -34,6 +34,7 @@ from eaglet.services.trainer.memory import MemoryTracker, estimate, rule_shape
 from eaglet.services.trainer.model import CausalAttention, Drafter
 from eaglet.services.trainer.objective import TTTObjective
 from eaglet.services.trainer.optimizer import build_optimizer
+from eaglet.services.trainer.train import optimizer_step
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -104,15 +105,9 @@ def build(text: dict, host: dict, cfg: TrainConfig, device: str, attention: str)
     return objective, opt, [b.get(k) for k in INPUTS], ahead
 
 
-def step(objective: TTTObjective, opt: torch.optim.Optimizer, inputs: list, cfg: TrainConfig, device_type: str
-         ) -> torch.Tensor:  # fmt: skip
-    """One training step as ``train_step`` takes it: the previous gradients live until the forward is done."""
-    with torch.autocast(device_type, dtype=torch.bfloat16):
-        loss, _, _ = objective(*inputs)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(objective.drafter.parameters(), cfg.grad_clip)
-    opt.step()
+def step(objective: TTTObjective, opt: torch.optim.Optimizer, inputs: list, cfg: TrainConfig) -> torch.Tensor:
+    """One training step, the trainer's own (``optimizer_step``), under bf16 autocast as on the GPU."""
+    loss, *_ = optimizer_step(objective, objective.drafter, opt, tuple(inputs), cfg.grad_clip, bf16=True)
     return loss.detach()
 
 
@@ -129,10 +124,10 @@ def account(text: dict, T: int, cfg: TrainConfig) -> MemoryTracker:
             with tracker:
                 tracker.hold([*objective.parameters(), *objective.buffers(), *inputs, *ahead])
                 tracker.phase = "first step"
-                step(objective, opt, inputs, cfg, "cpu")
+                step(objective, opt, inputs, cfg)
                 tracker.reset_peak()
                 tracker.phase = "step"
-                step(objective, opt, inputs, cfg, "cpu")
+                step(objective, opt, inputs, cfg)
     finally:
         CausalAttention.__call__ = real_call
     return tracker
@@ -145,11 +140,11 @@ def on_gpu(text: dict, T: int, cfg: TrainConfig) -> dict:
     torch.cuda.empty_cache()
     try:
         objective, opt, inputs, _ = build(text, host_batch(T, cfg), cfg, "cuda", "flex")
-        step(objective, opt, inputs, cfg, "cuda")
+        step(objective, opt, inputs, cfg)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        step(objective, opt, inputs, cfg, "cuda")
+        step(objective, opt, inputs, cfg)
         torch.cuda.synchronize()
         took = time.perf_counter() - started
         return {"outcome": "measured", "peak_allocated_GiB": round(torch.cuda.max_memory_allocated() / GIB, 2),
@@ -223,7 +218,7 @@ def main() -> int:
     if args.gpu:
         record["flex_vs_math"] = check_flex()
         print("flex vs math:", record["flex_vs_math"], flush=True)
-    for flags in args.flags or ["", "--checkpoint-steps"]:
+    for flags in args.flags or ["", "--checkpoint-steps 7"]:
         cfg = trainer_config(flags)
         for name in args.shapes.split(","):
             for T in (int(x) for x in args.lengths.split(",")):

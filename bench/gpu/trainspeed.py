@@ -93,7 +93,7 @@ TARGET_LOAD_BYTES_PER_S = 2e9
 COMPILE_S = 60.0
 STEP_COMPILE_S = 60.0  # --compile on: the TTT step's and the loss chunk's graphs, forward and backward (a guess)
 CHECKPOINT_BYTES_PER_PARAM = 14
-RECOMPUTE = 4 / 3  # checkpointed TTT steps: each step's forward again in the backward pass
+RECOMPUTE = 1 / 3  # a checkpointed TTT step's forward again in the backward pass: a third more of its compute
 COMPILED_HEAD_DIMS: set[int] = set()  # FlexAttention compiled in this process, for these head sizes (both phases)
 COMPILED_STEPS: set[str] = set()  # shapes whose compiled TTT step this process has (its graphs serve later rows)
 
@@ -317,7 +317,7 @@ def estimate_s(name: str, T: int, cfg: TrainConfig) -> float:
     compile_s = COMPILE_S if torch.cuda.is_available() and f["drafter"]["head_dim"] not in COMPILED_HEAD_DIMS else 0
     compiled = compile_on(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     compile_s += STEP_COMPILE_S if compiled and name not in COMPILED_STEPS else 0
-    rate = shape.tokens_per_s / (RECOMPUTE if cfg.checkpoint_steps else 1)
+    rate = shape.tokens_per_s / (1 + RECOMPUTE * min(cfg.checkpoint_steps, cfg.ttt_steps) / cfg.ttt_steps)
     return (START_S + target_bytes / TARGET_LOAD_BYTES_PER_S + write / DISK_BYTES_PER_S + compile_s
             + STEPS * T / rate)  # fmt: skip
 

@@ -97,9 +97,12 @@ class TrainConfig:
     """Loss rows per chunk. A TTT step with more computes its loss chunk by chunk, recomputing each chunk's logits in
     the backward pass instead of keeping rows x draft vocabulary tensors (one more LM-head forward); the target's
     distribution is formed in chunks of as many rows; 0: never chunked."""
-    checkpoint_steps: bool = False
-    """Recompute each unrolled step's activations in the backward pass instead of keeping them (about a third more
-    compute): for samples too long for memory otherwise (Kimi-K2.5's shape: 64K-token rows in about 70 GiB)."""
+    checkpoint_steps: int = 0
+    """How many of the unrolled TTT steps recompute their activations in the backward pass instead of keeping them
+    (the first ones: by the time the backward pass reaches them the kept steps' activations are freed). Each one
+    recomputed saves a step's activations (Kimi-K2.5's shape: 206 KiB a token) for about a third more of its
+    compute; ``ttt_steps`` (or more): all of them (Kimi-K2.5's shape: 64K-token rows in about 70 GiB). The memory
+    rule's refusal names the fewest that fit."""
     compile: Compile = "off"
     """on | off | auto (on on GPU): torch.compile the drafter's TTT step and the loss chunk (the trainer's
     compiled.py; dynamic shapes: every row length shares the graphs). Meant for where per-kernel overhead dominates
@@ -149,6 +152,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be 0 (the rule) or more, got {getattr(self, name)}")
         if self.loss_chunk < 0:
             raise ValueError(f"TrainConfig.loss_chunk must be 0 (never chunked) or more, got {self.loss_chunk}")
+        if self.checkpoint_steps < 0:
+            raise ValueError(f"TrainConfig.checkpoint_steps must be 0 (none) or more, got {self.checkpoint_steps}")
         if self.memory_gib < 0:
             raise ValueError(f"TrainConfig.memory_gib must be 0 (the device's) or more, got {self.memory_gib}")
         if self.onpolicy_weight <= 0:

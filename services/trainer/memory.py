@@ -120,30 +120,34 @@ def estimate(shape: "DrafterConfig", T: int, cfg: "TrainConfig", world: int = 1)
     """The memory rule: the GPU bytes of a training step of the drafter ``shape`` on a row of T tokens under ``cfg``
     (bf16 autocast, every position a loss position: the worst case), at the end of the forward pass and in the
     backward pass. Symbols: H hidden, I intermediate, h x d the query heads, kv x d the key/value heads, V the
-    target's vocabulary, Vd the draft vocabulary, n x Ht the captured target states, S the TTT steps, C
-    ``loss_chunk``, R = T - 2 the loss rows of a step, P the trainable parameters. In bytes:
+    target's vocabulary, Vd the draft vocabulary, n x Ht the captured target states, S the TTT steps, K of them
+    recomputed (``checkpoint_steps``, at most S), C ``loss_chunk``, R = T - 2 the loss rows of a step, P the
+    trainable parameters. In bytes:
 
     weights, optimizer, autocast   4P, 8P (AdamW; Muon 4 a matrix parameter), 2P (the bf16 copies of a step)
     target        4 V H                 the frozen embedding and LM head, bf16
     batches       2 T (2 (n Ht + H) + 8 S + 21)   the step's packed row and the next one, copied ahead of it
     target_view   T (2 Vd + 17)         the target's logits over the draft vocabulary at the loss positions
     kept          T (6 H + S (2 H + 4 kv d))      the embeddings, each step's output, keys and values
-    steps         S T A, A = 6 I + 8 H + 6 h d + 8 h   what each step keeps for its backward pass (MLP, norms,
-                                        attention input and output); 0 with ``checkpoint_steps``
+    steps         (S - K) T A, A = 6 I + 8 H + 6 h d + 8 h   what each step kept (not recomputed) holds for its
+                                        backward pass (MLP, norms, attention input and output)
     loss          S R 8 Vd when R <= C (each step's log-probabilities kept), else 0; plus the chunk being
                   computed: min(R, C) 18 Vd (forward), min(R, C) 24 Vd (backward, recomputed)
-    gradients     4P                    at the end of the forward pass the previous step's, not yet cleared
     ddp           4P                    DDP's gradient buckets, with ``world`` > 1 processes
     previous      4P + 8 T              an on-policy round's previous drafter, frozen, and its chains' first
                                         misses (its replay runs before the step's forward, without autograd)
-    with ``checkpoint_steps`` the backward pass also holds the gradients, one step recomputed (T A) and its
-    MLP's gradients (T (6 I + 4 H)), the loss chunks done by then.
+    The previous step's gradients are dropped before the forward pass (``train.optimizer_step``). The backward
+    pass peaks as it starts, every kept step's activations still held, on the loss chunks or on the last step's
+    MLP gradients (T (6 I + 4 H)); or, with K > 0, once it reaches the recomputed steps (the first K: the kept
+    steps' activations freed by then), holding the gradients (4P), one step recomputed (T A) and its MLP's
+    gradients.
 
     peak = max(forward end, backward) x MARGIN + FIXED_BYTES
     """
     H, inter, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
     h, kv, V, Vd = shape.num_attention_heads, shape.num_key_value_heads, shape.vocab_size, shape.draft_vocab_size
     S, R, P = cfg.ttt_steps, max(T - 2, 1), trainable_params(shape)
+    K = min(cfg.checkpoint_steps, S)
     matrices = P - norm_params(shape)
     A = 6 * inter + 8 * H + 6 * h * d + 8 * h
     chunked = bool(cfg.loss_chunk) and R > cfg.loss_chunk
@@ -153,14 +157,18 @@ def estimate(shape: "DrafterConfig", T: int, cfg: "TrainConfig", world: int = 1)
         "autocast": 2 * P, "target": 4 * V * H,
         "batches": 2 * T * (2 * (shape.num_aux_hidden_states * shape.target_hidden_size + H) + 8 * S + 21),
         "target_view": T * (2 * Vd + 17), "kept": T * (6 * H + S * (2 * H + 4 * kv * d)),
-        "steps": 0 if cfg.checkpoint_steps else S * T * A, "loss": 0 if chunked else S * R * 8 * Vd,
+        "steps": (S - K) * T * A, "loss": 0 if chunked else S * R * 8 * Vd,
         "ddp": 4 * P if world > 1 else 0, "previous": 4 * P + 8 * T if cfg.onpolicy_from else 0,
     }  # fmt: skip
-    forward_end = {**held, "gradients": 4 * P, "loss_chunk": chunk * 18 * Vd}
-    if cfg.checkpoint_steps:
-        backward = {**held, "gradients": 4 * P, "recomputed_step": T * A, "step_backward": T * (6 * inter + 4 * H)}
-    else:
-        backward = {**held, "loss_chunk": chunk * 24 * Vd}
+    forward_end = {**held, "loss_chunk": chunk * 18 * Vd}
+    step_backward = T * (6 * inter + 4 * H)
+    moments = [{**held, "loss_chunk": chunk * 24 * Vd}]  # the loss chunks' backward
+    if K < S:  # the last kept step's backward begun, every kept step's activations still held
+        moments.append({**held, "step_backward": step_backward})
+    if K:  # the first recomputed step reached: the kept steps' activations freed, the gradients made
+        moments.append({**held, "steps": 0, "gradients": 4 * P, "recomputed_step": T * A,
+                        "step_backward": step_backward})  # fmt: skip
+    backward = max(moments, key=lambda t: sum(t.values()))
     return Estimate({k: float(v) for k, v in forward_end.items()}, {k: float(v) for k, v in backward.items()})
 
 
@@ -212,18 +220,24 @@ def budget_gib(cfg: "TrainConfig", device: torch.device) -> float | None:
 
 def check_fits(shape: "DrafterConfig", cfg: "TrainConfig", T: int, budget: float, world: int = 1) -> Estimate:
     """The estimate of rows of T tokens, or MemoryRuleError when it passes ``budget`` GiB, saying what would fit:
-    ``checkpoint_steps``, shorter rows, or nothing at all."""
+    the fewest recomputed steps (``checkpoint_steps``), shorter rows, or nothing at all."""
     need = estimate(shape, T, cfg, world)
     if need.total_gib <= budget:
         return need
     advice = []
-    recompute = replace(cfg, checkpoint_steps=True)
-    if not cfg.checkpoint_steps and (gib := estimate(shape, T, recompute, world).total_gib) <= budget:
-        advice.append(f"--checkpoint-steps fits them in about {gib:.1f} GiB (a third more compute)")
+    S = cfg.ttt_steps
+    more = range(min(cfg.checkpoint_steps, S) + 1, S + 1)
+    fits = (k for k in more if estimate(shape, T, replace(cfg, checkpoint_steps=k), world).total_gib <= budget)
+    fewest = next(fits, None)
+    if fewest is not None:
+        gib = estimate(shape, T, replace(cfg, checkpoint_steps=fewest), world).total_gib
+        advice.append(f"--checkpoint-steps {fewest} fits them in about {gib:.1f} GiB ({fewest} of the {S} TTT steps "
+                      f"recomputed in the backward pass, about {fewest / S / 3:.0%} more compute)")  # fmt: skip
     if longest := longest_fitting(shape, cfg, T, budget, world):
         advice.append(f"as configured rows of up to {longest:,} tokens fit (--max-len, --tokens-per-batch)")
-    if not cfg.checkpoint_steps and not advice and (longest := longest_fitting(shape, recompute, T, budget, world)):
-        advice.append(f"with --checkpoint-steps rows of up to {longest:,} tokens fit")
+    recompute = replace(cfg, checkpoint_steps=S)
+    if cfg.checkpoint_steps < S and not advice and (longest := longest_fitting(shape, recompute, T, budget, world)):
+        advice.append(f"with --checkpoint-steps {S} rows of up to {longest:,} tokens fit")
     if not advice:
         advice.append("not even short rows fit: a device with more memory (every process holds the whole drafter)")
     raise MemoryRuleError(

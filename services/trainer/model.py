@@ -500,7 +500,7 @@ class Drafter(nn.Module):
         return self.lm_head(self.norm(out))
 
     def unroll(
-        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, attn_impl: str = "math", checkpoint: bool = False,
+        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, attn_impl: str = "math", checkpoint: int = 0,
         position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
     ) -> Iterator[torch.Tensor]:  # fmt: skip
         """Training-time test: ``steps`` unrolled passes on the drafter's own outputs, each yielded as it is made:
@@ -509,10 +509,12 @@ class Drafter(nn.Module):
 
         input_ids: [B, T] target ids; aux: [B, T, 3H]. Step i at position t reads token ``input_ids[t + 1 + i]``
         (shifted in here, zero past the end) and predicts token t + 2 + i. Yields each step's pre-norm output
-        [B, T, H]; the caller applies ``logits`` only where the loss needs them. ``checkpoint``: each step's
-        activations are recomputed in the backward pass instead of kept (its output, keys and values are kept):
-        a third more compute for long samples' memory. A packed row (several documents end to end) gives each
-        token's ``position_ids`` in its document [B, T] and ``document_ids`` [B, T] (ascending): attention stays
+        [B, T, H]; the caller applies ``logits`` only where the loss needs them. ``checkpoint``: the first that
+        many steps' activations are recomputed in the backward pass instead of kept (their outputs, keys and values
+        are kept): a third more of their compute for long samples' memory. The first ones, because the backward
+        pass reaches them last, when the later steps' kept activations are already freed. A packed row (several
+        documents end to end) gives each token's ``position_ids`` in its document [B, T] and ``document_ids`` [B, T]
+        (ascending): attention stays
         within a document, and a position whose chain runs into the next document reads its tokens but is never
         one the loss or another document sees.
         """
@@ -527,7 +529,7 @@ class Drafter(nn.Module):
         vs: list[torch.Tensor] = []
         for i in range(steps):
             args = (embedded[:, i : i + T], hidden, base + i, tuple(ks), tuple(vs), attention)
-            if checkpoint:
+            if i < checkpoint:
                 hidden, k, v = torch.utils.checkpoint.checkpoint(self.ttt_step, *args, use_reentrant=False)
             else:
                 hidden, k, v = self.ttt_step(*args)

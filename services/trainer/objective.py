@@ -135,7 +135,7 @@ class TTTObjective(nn.Module):
                 -self.cfg.aux_noise, self.cfg.aux_noise, generator=noise
             )
         outs = self.drafter.unroll(input_ids, aux_hidden_states, steps, self.attention,
-                                   checkpoint=self.cfg.checkpoint_steps and self.training,
+                                   checkpoint=self.cfg.checkpoint_steps if self.training else 0,
                                    position_ids=position_ids, document_ids=document_ids)  # fmt: skip
         usables = [usable[t] for t in targets]
         weights = usables
@@ -246,8 +246,10 @@ def heldout_figures(
     objective.train(was_training)
     if world > 1:
         dist.all_reduce(sums)
-    if sums[-1] == 0:  # every held-out sample unreadable (each already noted): no figure, rather than 0 / 0
-        log.warning("run %s: none of the %d held-out samples could be read: no held-out figures", run_id, len(items))
+    if sums[-1] == 0:  # no held-out sample, or every one unreadable (each already noted): no figure, not 0 / 0
+        if items:
+            log.warning("run %s: none of the %d held-out samples could be read: no held-out figures", run_id,
+                        len(items))  # fmt: skip
         loss, acc = None, None
     else:
         mean_loss, *mean_acc = (sums[:-1] / sums[-1]).tolist()

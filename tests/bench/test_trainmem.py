@@ -18,7 +18,9 @@ def quadratic(a, text: dict, length: int) -> bool:
     return rows >= 2 or (rows == 1 and text["vocab_size"] in a.shape)
 
 
-@pytest.mark.parametrize("shape, flags", [("kimi", ""), ("l8b", "--checkpoint-steps")])
+@pytest.mark.parametrize(
+    "shape, flags", [("kimi", ""), ("kimi", "--checkpoint-steps 2"), ("l8b", "--checkpoint-steps 7")]
+)
 def test_memory_grows_linearly_and_nothing_is_t_by_t_or_t_by_v(shape, flags):
     cfg, text = trainmem.trainer_config(flags), TEXT[shape]
     peaks = []

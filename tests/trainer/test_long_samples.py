@@ -48,8 +48,8 @@ def assert_same(a, b):
         torch.testing.assert_close(grad, b[3][name], rtol=1e-10, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("options", [{"loss_chunk": 5}, {"loss_chunk": 1}, {"checkpoint_steps": True},
-                                     {"loss_chunk": 7, "checkpoint_steps": True}])  # fmt: skip
+@pytest.mark.parametrize("options", [{"loss_chunk": 5}, {"loss_chunk": 1}, {"checkpoint_steps": 99},
+                                     {"checkpoint_steps": 1}, {"loss_chunk": 7, "checkpoint_steps": 2}])  # fmt: skip
 @pytest.mark.parametrize("blocks", [False, True])
 def test_chunked_loss_checkpointed_steps_and_attention_blocks_equal_the_plain_computation(options, blocks,
                                                                                           monkeypatch):  # fmt: skip
@@ -79,7 +79,7 @@ def packed_inputs(batch: data.Batch) -> tuple:
             *(batch[k] for k in ("position_ids", "document_ids", "loss_rows", "loss_row_counts")))  # fmt: skip
 
 
-@pytest.mark.parametrize("options", [{}, {"loss_chunk": 4, "checkpoint_steps": True}, {"loss": "lk-lambda"}])
+@pytest.mark.parametrize("options", [{}, {"loss_chunk": 4, "checkpoint_steps": 99}, {"loss": "lk-lambda"}])
 def test_packed_samples_train_as_each_does_alone(options):
     """One row of three samples end to end: the same loss, accuracies and gradients as the three right-padded in
     rows of their own (the loss a mean over all their positions either way); and, without the OOV mask (so the
@@ -117,7 +117,7 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("options", [{}, {"loss_chunk": 4, "checkpoint_steps": True}, {"loss": "lk-alpha"}])
+@pytest.mark.parametrize("options", [{}, {"loss_chunk": 4, "checkpoint_steps": 99}, {"loss": "lk-alpha"}])
 def test_a_training_step_reads_nothing_back_from_the_device(options):
     """The loss rows come with the packed batch and every count stays a tensor: neither the forward nor the
     backward pass runs an op that needs a device value on the host (on a GPU, each would wait for the queue)."""
@@ -136,7 +136,7 @@ def test_loss_chunk_is_checked():
 
 @pytest.mark.parametrize("loss", ["lk-alpha", "lk-lambda"])
 def test_lk_losses_chunked_equal_plain(loss):
-    assert_same(run(objective(loss_chunk=0, loss=loss)), run(objective(loss_chunk=4, loss=loss, checkpoint_steps=True)))
+    assert_same(run(objective(loss_chunk=0, loss=loss)), run(objective(loss_chunk=4, loss=loss, checkpoint_steps=99)))
 
 
 def test_lk_alpha_is_minus_the_log_of_the_expected_acceptance():
