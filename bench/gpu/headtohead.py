@@ -704,7 +704,7 @@ def phase_extract_fp8() -> None:
     R["done"] = bool(R.get("complete"))
 
 
-LAYOUTS = os.environ.get("H2H_LAYOUTS", "loss=loss:0:full;fp4=all:0:fp4;top32=topk:32:full;top32-fp4=topk:32:fp4")
+LAYOUTS = os.environ.get("H2H_LAYOUTS", "loss=loss:0:full;fp4=all:0:fp4;top32-fp4=topk:32:fp4;top24-fp4=topk:24:fp4")
 LAYOUT_RECIPE = "layout-"  # a recipe named layout-<name> trains on the run of layout <name> (phase h2h-layouts)
 
 
