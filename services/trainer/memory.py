@@ -226,11 +226,12 @@ def check_fits(shape: "DrafterConfig", cfg: "TrainConfig", T: int, budget: float
         return need
     advice = []
     S = cfg.ttt_steps
-    more = range(min(cfg.checkpoint_steps, S) + 1, S + 1)
-    fits = (k for k in more if estimate(shape, T, replace(cfg, checkpoint_steps=k), world).total_gib <= budget)
-    fewest = next(fits, None)
+    more = (
+        (k, estimate(shape, T, replace(cfg, checkpoint_steps=k), world).total_gib)
+        for k in range(min(cfg.checkpoint_steps, S) + 1, S + 1)
+    )
+    fewest, gib = next(((k, gib) for k, gib in more if gib <= budget), (None, 0.0))
     if fewest is not None:
-        gib = estimate(shape, T, replace(cfg, checkpoint_steps=fewest), world).total_gib
         advice.append(f"--checkpoint-steps {fewest} fits them in about {gib:.1f} GiB ({fewest} of the {S} TTT steps "
                       f"recomputed in the backward pass, about {fewest / S / 3:.0%} more compute)")  # fmt: skip
     if longest := longest_fitting(shape, cfg, T, budget, world):

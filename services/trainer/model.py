@@ -514,9 +514,8 @@ class Drafter(nn.Module):
         are kept): a third more of their compute for long samples' memory. The first ones, because the backward
         pass reaches them last, when the later steps' kept activations are already freed. A packed row (several
         documents end to end) gives each token's ``position_ids`` in its document [B, T] and ``document_ids`` [B, T]
-        (ascending): attention stays
-        within a document, and a position whose chain runs into the next document reads its tokens but is never
-        one the loss or another document sees.
+        (ascending): attention stays within a document, and a position whose chain runs into the next document
+        reads its tokens but is never one the loss or another document sees.
         """
         B, T = input_ids.shape
         attention = CausalAttention(attn_impl, T, input_ids.device, document_ids)
