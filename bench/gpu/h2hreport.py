@@ -115,6 +115,35 @@ def tie_agreement(ids: list, reference: list, reference_gaps: list, tie: float) 
             "tie_nats": tie, "first_difference_gaps": sorted(gaps, key=lambda g: (g is None, g))}  # fmt: skip
 
 
+def beyond_tie(ids: list, reference: list, reference_gaps: list, tie: float, prompts: list) -> list[dict]:
+    """The outputs that part from the reference's where its top two lie more than ``tie`` apart (or where no gap
+    is known): which output, where, the prompt with the output's ids before that point (``prefix``), the output's
+    token there and the reference's, and the reference's gap."""
+    _, parts = parted(ids, reference)
+    rows = []
+    for k, n in parts:
+        gap = reference_gaps[k][n] if reference_gaps[k] and n < len(reference_gaps[k]) else None
+        if gap is not None and gap <= tie or n >= min(len(ids[k]), len(reference[k])):
+            continue  # a near-tie, or one output a prefix of the other (a length, not a token, differs)
+        rows.append({"output": k, "at": n, "prefix": [*prompts[k], *ids[k][:n]], "token": ids[k][n],
+                     "reference_token": reference[k][n], "reference_gap": gap})  # fmt: skip
+    return rows
+
+
+def target_choices(rows: list[dict], first_ids: list, first_gaps: list, tie: float) -> dict:
+    """``beyond_tie``'s rows against the target's own next token after each prefix (``first_ids``, one decoded
+    token each, and its top-two gap): a row agrees when the target picks the output's token there, or its top two
+    lie within ``tie``: the token is the target's own choice in that other batch shape, not the drafter's."""
+    out = []
+    for row, got, gaps in zip(rows, first_ids, first_gaps, strict=True):
+        chose = got[0] if got else None
+        gap = gaps[0] if gaps else None
+        agrees = chose == row["token"] or (gap is not None and gap <= tie)
+        out.append({k: row[k] for k in ("output", "at", "token", "reference_token", "reference_gap")}
+                   | {"target_chose": chose, "target_gap": gap, "agrees": agrees})  # fmt: skip
+    return {"rows": out, "agree": sum(r["agrees"] for r in out), "of": len(out)}
+
+
 def summarize(results: dict, repeats: list[dict] = ()) -> dict:
     """The figures the table shows, and the ratios eaglet / SpecForge. ``repeats``: the evaluation phase's results
     of other calls on the same drafters (``h2h-eval.json``), shown beside the first: the spread of the speeds."""

@@ -58,7 +58,7 @@ def test_every_tp1_family_is_a_case_and_the_table_names_each():
                       "train": {"probe": {"final": {"heldout_acc": [0.8, 0.5]}}}},
         "gptoss-tp1": {"architecture": "GptOssForCausalLM", "skipped": "skipped: no extraction"}}}  # fmt: skip
     md = familydrafters.markdown(results)
-    assert "| llama-tp1 | LlamaForCausalLM | ok | 0.80 / 0.50 | 1.900 | — | 31/32 (1 / 0) | 0.250 |" in md
+    assert "| llama-tp1 | LlamaForCausalLM | ok | 0.80 / 0.50 | 1.900 | — | 31/32 (1 / 0) | — | 0.250 |" in md
     assert "| gptoss-tp1 | GptOssForCausalLM | skipped: no extraction |" in md
 
 
@@ -83,3 +83,25 @@ def test_the_report_joins_calls_and_a_decoded_case_wins_over_a_skipped_one(tmp_p
     merged = json.loads((tmp_path / "familydrafters.json").read_text())
     assert merged["cases"]["llama-tp1"]["status"] == "ok" and merged["cases"]["kimi-tp1"]["status"] == "failed"
     assert "| kimi-tp1 | KimiK25ForConditionalGeneration | failed |" in (tmp_path / "familydrafters.md").read_text()
+
+
+def test_a_parting_beyond_the_tie_is_put_to_the_target_on_its_own_prefix():
+    prompts = [[1, 2], [1, 2], [3]]
+    reference = [[5, 6, 7], [5, 6, 7], [8, 9]]
+    gaps = [[1.0, 0.9, 1.0], [1.0, 0.1, 1.0], [1.0, 1.0]]
+    rows = h2hreport.beyond_tie([[5, 4, 7], [5, 4, 7], [8]], reference, gaps, 0.25, prompts)
+    # the second parts at a near-tie; the third is a prefix of its reference: a length, not a token, differs
+    assert rows == [{"output": 0, "at": 1, "prefix": [1, 2, 5], "token": 4, "reference_token": 6,
+                     "reference_gap": 0.9}]  # fmt: skip
+    picked = h2hreport.target_choices(rows, [[4]], [[0.8]], 0.25)
+    assert (picked["agree"], picked["of"], picked["rows"][0]["target_chose"]) == (1, 1, 4)
+    assert h2hreport.target_choices(rows, [[6]], [[0.8]], 0.25)["agree"] == 0
+    assert h2hreport.target_choices(rows, [[6]], [[0.1]], 0.25)["agree"] == 1  # the target's own near-tie there
+
+
+def test_partings_the_target_picks_itself_on_the_prefix_pass():
+    rescored = {"agree": 2, "of": 2, "rows": []}
+    assert familydrafters.verdict({"errors": 0}, decoded(2.0, same=28, at_tie=2, rescored=rescored)) == ("ok", [])
+    one = {"agree": 1, "of": 2, "rows": []}
+    status, why = familydrafters.verdict({"errors": 0}, decoded(2.0, same=28, at_tie=2, rescored=one))
+    assert status == "failed" and why[0].startswith("1 of 32 greedy outputs differ") and "does not pick" in why[0]
