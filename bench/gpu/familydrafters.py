@@ -218,6 +218,7 @@ def report(paths: list[str], out: Path) -> int:
         for case, R in rec["cases"].items():
             if "status" in R or case not in merged["cases"]:
                 merged["cases"][case] = R
+    out.mkdir(parents=True, exist_ok=True)
     (out / "familydrafters.json").write_text(json.dumps(merged, indent=1, default=str))
     (out / "familydrafters.md").write_text(markdown(merged))
     print((out / "familydrafters.md").read_text())
