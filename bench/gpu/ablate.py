@@ -23,6 +23,7 @@ from eaglet.services.trainer.main import add_config_flags, config_from_args
 from eaglet.services.trainer.preemption import Preempted
 from eaglet.services.trainer.train import train
 from eaglet.shared.config import Settings
+from eaglet.shared.logs import setup_logging
 from eaglet.shared.target import resolve_model_dir
 
 
@@ -33,6 +34,7 @@ def run() -> int:
     p.add_argument("--model", help="target model directory (default: EAGLET_MODEL)")
     add_config_flags(p, TrainConfig)
     args = p.parse_args()
+    setup_logging()  # the trainer's progress lines (tokens/s of each report window) in the process's log
     cfg = config_from_args(TrainConfig, args)
     settings = Settings()
     target = resolve_model_dir(args.model or settings.model, settings.model_cache_dir)

@@ -175,8 +175,10 @@ def _config(family: str, vocab: int):
             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(LAYERS)],
         )
     if family == "gemma3":  # its traps: embeddings scaled by sqrt(hidden), (1 + w) norms, sliding layers
+        # tied, as every Gemma checkpoint is: SGLang's and vLLM's Gemma classes score with the embedding and skip
+        # lm_head.weight, so an untied head is one the engines never serve (the trainer refuses it)
         return T.Gemma3TextConfig(
-            **common,
+            **{**common, "tie_word_embeddings": True},
             intermediate_size=1024,
             num_attention_heads=8,
             num_key_value_heads=4,
@@ -216,7 +218,7 @@ def _scale_routers(model, hidden: int) -> int:
 
 def _concentrate_head(model) -> None:
     """The LM head's rows outside PREDICTED_TOKENS scaled by OTHER_ROWS_SCALE, theirs by PREDICTED_ROWS_SCALE (the
-    embeddings are untied)."""
+    embeddings untied but Gemma 3's, which scales its tied embedding with its head)."""
     import torch
 
     with torch.no_grad():

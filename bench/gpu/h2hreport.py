@@ -7,11 +7,12 @@ target's tokens/s beside) and both trainers (tokens/s, peak memory, wall time), 
 """
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
 DRAFTERS = ("eaglet", "specforge")
-PHASES = ("h2h-data", "h2h-extract", "h2h-eaglet", "h2h-specforge", "h2h-score", "h2h-eval")
+PHASES = ("h2h-data", "h2h-extract", "h2h-eaglet", "h2h-specforge", "h2h-score", "h2h-eval", "h2h-trainspeed")
 ABLATED = "h2h-ablations"
 
 
@@ -185,12 +186,35 @@ def summarize(results: dict, repeats: list[dict] = ()) -> dict:
             "same_text": (base.get("humaneval_repeat") or {}).get("same_text_as_target_alone"),
         },
         "trainers": trainers,
+        "trainspeed": trainspeed(results.get("h2h-trainspeed", {}), trainers["specforge"]["tokens_per_s"]),
         "ratios": ratios,
         "data": {k: data.get(k) for k in ("conversations", "multi_turn", "heldout_prompts", "magpie", "wall_s")},
         "extract": {k: results.get("h2h-extract", {}).get(k) for k in ("samples", "tokens", "tokens_per_s", "wall_s")},
         "eval_settings": {k: ev.get(k) for k in ("max_new_tokens", "concurrency", "server_flags")},
         "errors": {p: results[p]["error"] for p in PHASES if results.get(p, {}).get("error")} | eval_errors(ev),
     }
+
+
+def trainspeed(R: dict, specforge_tokens_per_s) -> list[dict]:
+    """Per variant of h2h-trainspeed: its runs' tokens/s (the whole run, and the trainer's last report window),
+    the median, range and spread ((max - min) / median), the median's ratio to SpecForge's, held-out accuracy."""
+    out = []
+    for name, flags in (R.get("variants") or {}).items():
+        runs = [r for r in R.get("rows", []) if r["variant"] == name]
+        rates_ = sorted(r["tokens_per_s"] for r in runs if r.get("tokens_per_s"))
+        mid = statistics.median(rates_) if rates_ else None
+        out.append({
+            "variant": name, "flags": flags, "runs": len(runs), "failed": sum(1 for r in runs if r.get("rc") != 0),
+            "tokens_per_s": [r.get("tokens_per_s") for r in runs],
+            "cold_compile": [r.get("cold_compile") for r in runs],
+            "steady_tokens_per_s": [r.get("steady_tokens_per_s") for r in runs],
+            "median_tokens_per_s": mid, "range": [rates_[0], rates_[-1]] if rates_ else None,
+            "spread": round((rates_[-1] - rates_[0]) / mid, 3) if rates_ else None,
+            "ratio_to_specforge": ratio(mid, specforge_tokens_per_s),
+            "peak_allocated_GiB": max((r.get("peak_allocated_GiB") or 0 for r in runs), default=None),
+            "heldout_acc": next((r["heldout_acc"] for r in runs if r.get("heldout_acc")), None),
+        })  # fmt: skip
+    return out
 
 
 def recipes(results: dict, rows: list[dict]) -> list[dict]:
@@ -325,6 +349,22 @@ def markdown(s: dict) -> str:
             f"| {d} | {fmt(t['tokens_per_s'], 0)} | {fmt(t['peak_gpu_GiB'])} | {fmt(t['peak_allocated_GiB'])} | "
             f"{fmt(t['wall_s'], 1)} | {fmt(t['train_tokens'])} | {fmt(t['epochs'])} | {fmt(t['optimizer_steps'])} |"
         )
+    if s.get("trainspeed"):
+        lines += ["", "eaglet's trainer alone, each variant in turn, repeated (`h2h-trainspeed`; tokens/s over the "
+                  "whole run: start, compile and final held-out pass included; *steady*: the trainer's last report "
+                  "window; *cold*: the call's first compiled run, the machine's compile cache empty):", "",
+                  "| variant | flags | runs: tokens/s (steady) | median | spread | ÷ SpecForge | peak allocated GiB | "
+                  "held-out accuracy per position |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for v in s["trainspeed"]:
+            runs = ", ".join(
+                f"{fmt(t, 0)} ({fmt(st, 0)}){' cold' if cold else ''}"
+                for t, st, cold in zip(v["tokens_per_s"], v["steady_tokens_per_s"], v["cold_compile"], strict=True)
+            )
+            lines.append(
+                f"| {v['variant']} | `{v['flags'] or '(defaults)'}` | {runs} | {fmt(v['median_tokens_per_s'], 0)} | "
+                f"{fmt(v['spread'], 3)} | {fmt(v['ratio_to_specforge'], 3)} | {fmt(v['peak_allocated_GiB'])} | "
+                f"{rates(v['heldout_acc'])} |"
+            )
     lines += ["", "Ratios (eaglet / SpecForge; aims: accept length >= 1.05, trainer tokens/s >= 1.5):", ""]
     lines += [f"- {k}: {fmt(v, 3)}" for k, v in s["ratios"].items()]
     if s["errors"]:

@@ -21,6 +21,8 @@ Phases (each skipped when an earlier call finished it; state in $GPUBENCH_ROOT/g
                  concurrencies), then each drafter at H2H_CHAINS ((3, 1, 4)), on the 164 HumanEval prompts and the
                  held-out prompts, greedy: accept length, acceptance per draft position, output tokens/s, outputs
                  equal to the target alone's.
+  h2h-trainspeed eaglet's trainer alone, each variant of H2H_TRAINSPEED (eager, compiled) in turn, repeated: tokens/s
+                 beside h2h-specforge's, held-out figures.
   h2h-layouts    h2h-extract's samples stored again in each storage layout of H2H_LAYOUTS (the top-k computed on the
                  GPU from the stored final states by the servers' encoder), one run a layout; the recipes
                  ``layout-<name>`` of H2H_ABLATIONS train the default recipe on them (h2h-ablate-train/-eval).
@@ -31,6 +33,9 @@ import gzip
 import json
 import os
 import random
+import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -662,6 +667,79 @@ def phase_eval() -> None:
     R["done"] = not h2hreport.eval_errors(R)
 
 
+# The trainer's speed on the head-to-head's data (issue 25): eaglet's trainer alone on the GPU, each variant of
+# H2H_TRAINSPEED (``name=trainer flags`` separated by ``;``) in turn, H2H_TRAINSPEED_REPEATS rounds of all of them, so
+# a drift of the machine falls on every variant. The first compiled run of a call compiles cold (the machine's
+# inductor cache empty); later ones find its graphs on disk, as a resumed or repeated training does.
+TRAINSPEED = os.environ.get("H2H_TRAINSPEED", "eager=--compile off;compiled=--compile on")
+TRAINSPEED_REPEATS = int(os.environ.get("H2H_TRAINSPEED_REPEATS", "2"))
+# seconds beyond eager's steps a compiled trainer takes to compile, cold: the 2026-12 speed bench's first steps
+COMPILE_COLD_S = 120
+
+
+def trainspeed_variants() -> dict[str, str]:
+    return {n.strip(): f.strip() for n, _, f in (item.partition("=") for item in TRAINSPEED.split(";") if item.strip())}
+
+
+def estimate_trainspeed_row(flags: str, compiled_before: bool) -> float:
+    """A variant's run: eager's rate and start, plus a cold compile for the call's first compiled run."""
+    compiled = "--compile on" in flags
+    return estimate_eaglet() + (COMPILE_COLD_S if compiled and not compiled_before else 0)
+
+
+def steady_tokens_per_s(log_tail: str) -> float | None:
+    """The trainer's own rate over its last report window (its log line ``... N tok/s``): the steps alone."""
+    rates = re.findall(r"(\d+) tok/s", log_tail)
+    return float(rates[-1]) if rates else None
+
+
+def phase_trainspeed() -> None:
+    """Each variant of H2H_TRAINSPEED trained on h2h-extract's run as h2h-eaglet is (the default recipe, H2H_EPOCHS
+    epochs, checkpoints only at the end), alone on the GPU, into a folder of its own, round after round: tokens/s
+    over the trainer's whole run (its start, compile and final held-out pass included, as h2h-eaglet and
+    h2h-specforge count), its own rate over its last report window, peak memory, held-out figures. A row not
+    started for the call's time is left for the next call."""
+    R = P.RESULTS.setdefault("h2h-trainspeed", {})
+    rows = R.setdefault("rows", [])
+    P.stop(SERVER)  # the GPU to the trainer alone
+    run_id = P.RESULTS["h2h-extract"]["run_id"]
+    train_tokens = sum(r[2] for r in training_rows()) * EPOCHS
+    R.update(variants=trainspeed_variants(), repeats=TRAINSPEED_REPEATS, epochs=EPOCHS, train_tokens=train_tokens)
+    for repeat in range(TRAINSPEED_REPEATS):
+        for name, flags in trainspeed_variants().items():
+            if any(r["variant"] == name and r["repeat"] == repeat for r in rows):
+                continue
+            compiled_before = any("--compile on" in r["flags"] and r.get("rc") == 0 for r in rows)
+            need = estimate_trainspeed_row(flags, compiled_before)
+            if need > time_left():
+                P.log(f"h2h-trainspeed: {name} #{repeat} needs ~{need:.0f}s, {time_left():.0f}s left: next call")
+                R["done"] = False
+                return
+            out = H2H / "trainspeed" / f"{name}-{repeat}"
+            shutil.rmtree(out, ignore_errors=True)
+            argv = [sys.executable, "bench/gpu/ablate.py", "--run", run_id, "--out", str(out), "--model", str(SMOL),
+                    "--epochs", str(EPOCHS), "--checkpoint-every", "1000000", *shlex.split(flags)]  # fmt: skip
+            rec = run_trainer({}, f"h2h-trainspeed-{name}-{repeat}", argv, P.PY_EAGLET,
+                              P.eaglet_env(SMOL, P.SGL_PORT), TRAIN_TIMEOUT, H2H)  # fmt: skip
+            probe = rec.get("probe") or {}
+            final = probe.get("final") or {}
+            wall = probe.get("wall_s")
+            ok = rec.get("rc") == 0 and bool(wall)
+            rows.append({
+                "variant": name, "repeat": repeat, "flags": flags, "rc": rec.get("rc"), "error": rec.get("error"),
+                "cold_compile": "--compile on" in flags and not compiled_before,
+                "wall_s": wall, "tokens_per_s": round(train_tokens / wall, 1) if ok else None,
+                "steady_tokens_per_s": steady_tokens_per_s(rec.get("log_tail", "")),
+                "optimizer_steps": final.get("step"), "peak_allocated_GiB": probe.get("peak_allocated_GiB"),
+                "peak_gpu_GiB": rec.get("peak_gpu_GiB"), "heldout_loss": final.get("heldout_loss"),
+                "heldout_acc": final.get("heldout_acc"), "log_tail": None if ok else rec.get("log_tail"),
+            })  # fmt: skip
+            P.log(f"h2h-trainspeed: {name} #{repeat}: {rows[-1]['tokens_per_s']} tokens/s over {wall}s")
+            P.save("h2h-trainspeed")
+            shutil.rmtree(out, ignore_errors=True)
+    R["done"] = True
+
+
 def ablations() -> dict[str, str]:
     """H2H_ABLATIONS: ``name=trainer flags`` separated by ``;`` (``base``: the default recipe, trained beside the
     others; ``fp8``: the default recipe on the conversations extracted again with fp8 storage; a flag ``@name``:
@@ -910,6 +988,7 @@ PHASES = {
     "h2h-specforge": phase_specforge,
     "h2h-score": phase_score,
     "h2h-eval": phase_eval,
+    "h2h-trainspeed": phase_trainspeed,
     "h2h-extract-fp8": phase_extract_fp8,
     "h2h-layouts": phase_layouts,
     "h2h-ablate-train": phase_ablate_train,
@@ -937,6 +1016,7 @@ ESTIMATE_S = {
     "h2h-specforge": estimate_specforge,
     "h2h-score": 60,
     "h2h-eval": 450,  # three server starts of ~55 s, five prompt-set decodes of ~45 s, the repeat
+    "h2h-trainspeed": lambda: estimate_trainspeed_row("", True),  # one row at least; the rest by their own
     "h2h-extract-fp8": lambda: 70 + conversations() * 0.01,
     "h2h-layouts": lambda: 10 + conversations() * 0.004,  # a re-encode of each sample a layout, no server
     "h2h-ablate-train": 90,  # the recipes resume from their checkpoints: any minute of training is kept

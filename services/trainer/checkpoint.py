@@ -107,6 +107,14 @@ def load_target_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(names[name]), framework="pt") as st:
             out[key] = st.get_tensor(name)
     if str(text_config.get("model_type", "")).startswith("gemma"):
+        if head is not None and not torch.equal(out["lm_head"], out["embed"]):
+            # SGLang's and vLLM's Gemma classes score with the embedding and skip lm_head.weight when loading: a
+            # drafter trained against this head would be verified against another model's choices (accepts none)
+            raise CheckpointError(
+                f"{model_dir}: a Gemma checkpoint whose lm_head.weight differs from its embed_tokens.weight; SGLang "
+                "and vLLM serve Gemma with the embedding as its LM head and ignore lm_head.weight, so the drafter "
+                "would learn a head the engines never use. Tie them (tie_word_embeddings: true, no lm_head.weight)"
+            )
         # Gemma's RMSNorm scales by (1 + w) and its checkpoints store w; the drafter's norm scales by its weight
         out["norm"] = out["norm"].float() + 1
     return out
