@@ -204,3 +204,19 @@ def test_report_lists_each_recipe_beside_the_default_with_its_ratio_to_specforge
         "1,666 | 180.0 (6) |"
     ) in md
     assert "| lr (boom) |" in md
+
+
+def test_trainer_variants_median_leaves_a_cold_compile_out_and_is_set_against_specforge():
+    def row(variant, repeat, tokens_per_s, cold=False, rc=0):
+        return {"variant": variant, "repeat": repeat, "flags": f"--compile {variant}", "rc": rc, "cold_compile": cold,
+                "tokens_per_s": tokens_per_s, "steady_tokens_per_s": 2 * (tokens_per_s or 0),
+                "peak_allocated_GiB": 2.0, "heldout_acc": [0.5, 0.4]}  # fmt: skip
+
+    R = {"variants": {"on": "--compile on", "off": "--compile off"},
+         "rows": [row("on", "cold", 8000, cold=True), row("on", 0, 19000), row("on", 1, 18000),
+                  row("off", 0, 20000), row("off", 1, None, rc=1)]}  # fmt: skip
+    on, off = h2hreport.trainspeed(R, 10000)
+    assert (on["median_tokens_per_s"], on["range"], on["spread"]) == (18500, [18000, 19000], 0.054)
+    assert on["ratio_to_specforge"] == 1.85 and on["cold_compile"] == [True, False, False]
+    assert (off["median_tokens_per_s"], off["failed"], off["ratio_to_specforge"]) == (20000, 1, 2.0)
+    assert h2hreport.trainspeed({}, 10000) == []
