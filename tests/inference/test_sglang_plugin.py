@@ -171,6 +171,44 @@ def test_fp8_asked_is_encoded_before_the_copy_with_the_stores_encoder(sglang_cas
         assert torch.equal(enc.scales[f"{name}_scale"], scale)
 
 
+def test_topk_asked_is_computed_before_the_copy_from_the_model_directorys_head(sglang_cases):
+    """Over a chunked prefill, beside a request that asks for none, alone and with fp8: the top-k of the stand-in's
+    final states over the LM head as the trainer reads it from the model directory, as the reference server
+    computes it; what the worker's own check of a top-k run accepts."""
+    import torch
+
+    from eaglet.services.trainer.checkpoint import load_target_tensors
+    from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump
+    from eaglet.shared.topk import encode_topk
+
+    results, dumps = sglang_cases
+    case = results["topk"]
+    assert case["exists_after_chunk"] == [False, False, True]
+    head = load_target_tensors(Path(case["model_dir"]))["lm_head"]
+    n = len(case["prompt"])
+    _check_dump(dumps, case["plain_rid"], case["prompt"], dtype="bfloat16")
+    plain = read_dump(dump_path(dumps, case["plain_rid"]))
+    assert not plain.topk and "topk" not in plain.metadata
+    for rid, k in case["rids"].items():
+        dump = read_dump(dump_path(dumps, rid))
+        validate_dump(dump, rid=rid, num_tokens=n, hidden_size=H, topk=k, vocab_size=head.shape[0])
+        assert dump.fp8 == (k == 3) and dump.metadata["topk"] == str(k)
+        ids, logp = encode_topk(plain.hidden_states, head, k)
+        assert torch.equal(dump.topk["topk_ids"], ids)
+        assert torch.equal(dump.topk["topk_logp"], logp)
+
+
+def test_topk_without_a_safetensors_model_path_writes_no_dump_and_says_why_once(sglang_cases):
+    results, dumps = sglang_cases
+    case = results["no_head"]
+    for rid in case["asked"]:
+        assert f"{rid}.safetensors" not in _dump_files(dumps)
+    _check_dump(dumps, case["other_rid"], case["other_prompt"])
+    assert case["results_passed_through"]
+    [error] = case["errors"]
+    assert case["model_path"] in error and "no safetensors files" in error
+
+
 def test_writer_publishes_its_figures(sglang_cases):
     from eaglet.shared.dumpwriter import read_writer_stats
 

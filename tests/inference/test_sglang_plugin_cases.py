@@ -13,6 +13,7 @@ from pathlib import Path
 
 H = 8  # hidden size of the stand-in model
 LAYERS = 8  # -> EAGLE-3 layers [2, 4, 5]
+VOCAB = 300  # of the stand-in model directory's LM head
 
 
 def _cases(out: Path) -> dict:
@@ -107,7 +108,7 @@ def _cases(out: Path) -> dict:
             model.model.layers_to_capture = layers_to_capture
         return model
 
-    def new_worker(native_final=native, dtype=torch.float32):
+    def new_worker(native_final=native, dtype=torch.float32, model_path="/models/tiny-llama"):
         runner = ModelRunner.__new__(ModelRunner)
         runner.is_draft_worker = False
         runner.server_args = SimpleNamespace(
@@ -117,16 +118,20 @@ def _cases(out: Path) -> dict:
         runner.init_attention_backends()  # hooked: enables capture, as at server start
         worker = TpModelWorker.__new__(TpModelWorker)
         worker._model_runner = runner
-        worker.server_args = SimpleNamespace(served_model_name="tiny-llama", model_path="/models/tiny-llama")
+        worker.server_args = SimpleNamespace(served_model_name="tiny-llama", model_path=model_path)
         worker.standin_native_final, worker.standin_dtype = native_final, dtype
         return worker
 
-    sp = SamplingParams(max_new_tokens=1, temperature=0)
-    sp.normalize(None)
-    sp.verify(vocab_size=1000)
+    def sampling(custom_params=None):
+        params = SamplingParams(max_new_tokens=1, temperature=0, custom_params=custom_params)
+        params.normalize(None)
+        params.verify(vocab_size=1000)
+        return params
 
-    def req(rid, prompt):
-        return Req(rid=rid, origin_input_text="", origin_input_ids=array("q", prompt), sampling_params=sp)
+    sp = sampling()
+
+    def req(rid, prompt, params=sp):
+        return Req(rid=rid, origin_input_text="", origin_input_ids=array("q", prompt), sampling_params=params)
 
     def forward(worker, parts, mode=ForwardMode.EXTEND, decoding=None):
         """parts: (req, prefix_len, extend_len) in row order."""
@@ -241,16 +246,71 @@ def _cases(out: Path) -> dict:
     results["stash"] = {"rid": s.rid, "prompt": ps}
 
     # fp8 asked by one of two requests with the same prompt, in one bf16 forward, over two chunks.
-    fp8_sp = SamplingParams(max_new_tokens=1, temperature=0, custom_params={"eaglet_dump": "fp8"})
-    fp8_sp.normalize(None)
-    fp8_sp.verify(vocab_size=1000)
     p8 = prompt(9, 200)
     wide = req("eaglet:run1:s-wide:0", p8)
-    enc = Req(rid="eaglet:run1:s-fp8:0", origin_input_text="", origin_input_ids=array("q", p8), sampling_params=fp8_sp)
+    enc = req("eaglet:run1:s-fp8:0", p8, sampling({"eaglet_dump": "fp8"}))
     w16 = new_worker(dtype=torch.bfloat16)
     forward(w16, [(wide, 0, 5), (enc, 0, 5)])
     forward(w16, [(enc, 5, 4), (wide, 5, 4)])
     results["fp8"] = {"wide_rid": wide.rid, "fp8_rid": enc.rid, "prompt": p8}
+
+    # Top-k over the head of the model directory: asked by one request over three chunks (k = 5), with fp8 by
+    # another (k = 3), beside a request that asks neither; the same prompt, so the same final states; bf16.
+    from safetensors.torch import save_file
+
+    model_dir = out / "tiny-llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": False}))
+    # Multiples of 1/16 against the stand-in's integer states: exact logits, however the rows are batched.
+    weights = torch.randint(-32, 33, (2, VOCAB, H), generator=torch.Generator().manual_seed(0)) / 16
+    save_file(
+        {
+            "model.embed_tokens.weight": weights[0].to(torch.bfloat16),
+            "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+            "lm_head.weight": weights[1].to(torch.bfloat16),
+        },
+        str(model_dir / "model.safetensors"),
+    )
+    pk = prompt(10, 160)  # aux values below 256: exact in bf16
+    top = req("eaglet:run1:s-topk:0", pk, sampling({"eaglet_topk": 5}))
+    both = req("eaglet:run1:s-topk-fp8:0", pk, sampling({"eaglet_topk": 3, "eaglet_dump": "fp8"}))
+    plain = req("eaglet:run1:s-no-topk:0", pk)
+    wk = new_worker(dtype=torch.bfloat16, model_path=str(model_dir))
+    exists = []
+    for parts in ([(top, 0, 4), (plain, 0, 5)], [(plain, 5, 5), (top, 4, 4), (both, 0, 10)], [(top, 8, 2)]):
+        forward(wk, parts)
+        exists.append(f"{top.rid}.safetensors" in files())
+    results["topk"] = {
+        "model_dir": str(model_dir),
+        "prompt": pk,
+        "rids": {top.rid: 5, both.rid: 3},
+        "plain_rid": plain.rid,
+        "exists_after_chunk": exists,
+    }
+
+    # Top-k asked where the model path holds no safetensors: no dump for it, one error, the server goes on.
+    import logging
+
+    errors: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: errors.append(record.getMessage())
+    logging.getLogger("eaglet_sglang.plugin").addHandler(handler)
+    no_head = out / "no-safetensors"
+    no_head.mkdir()
+    (no_head / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    wn = new_worker(model_path=str(no_head))
+    asked = [req(f"eaglet:run1:s-nohead{i}:0", prompt(4, 240), sampling({"eaglet_topk": 5})) for i in range(2)]
+    other = req("eaglet:run1:s-nohead-plain:0", prompt(4, 240))
+    passed = [forward(wn, [(asked[0], 0, 4), (other, 0, 4)]), forward(wn, [(asked[1], 0, 4)])]
+    logging.getLogger("eaglet_sglang.plugin").removeHandler(handler)
+    results["no_head"] = {
+        "model_path": str(no_head),
+        "asked": [r.rid for r in asked],
+        "other_rid": other.rid,
+        "other_prompt": prompt(4, 240),
+        "results_passed_through": all(r.logits_output is not None for r in passed),
+        "errors": errors,
+    }
 
     # Capture: default layers, chosen layers (SGLang convention), and after the server flag chose others.
     from eaglet_sglang.plugin import DumpPlugin, DumpSettings, captured_layers

@@ -11,6 +11,16 @@
 - AROUND ``LogitsProcessor.forward``: its ``hidden_states`` argument is the final layer after the
   final norm. Versions with the capture flag hand it back as ``logits_output.last_hidden_states``;
   for the others the hook keeps a reference while an eaglet forward runs.
+
+What a request asks computed on the device (``custom_params``, shared/dumpfile.py ``DumpEncoding``) is computed
+in the forward hook, on the forward's outputs, before the copy to the host: fp8-encoded states (the store's
+encoder), and the target's top-k distribution (``encode_topk``, from the final states before any encoding). The
+top-k needs the target's LM head over its whole real vocabulary, the one the trainer uses; SGLang's own is padded
+and sharded across TP ranks (and Gemma's class scores with its embedding), so the writer rank reads it from the
+server's model directory (the trainer's ``load_target_tensors``) at its first top-k request and keeps it on its
+GPU: V x H x 2 bytes there in bf16 (Llama 3 8B: 1.05 GB; Kimi-K2.5: 2.35 GB). A model path that is not a local
+safetensors checkpoint (a hub id, a GGUF file) cannot serve a top-k: the reason is logged once and those requests
+get no dump, which their worker reports.
 """
 
 import logging
@@ -23,11 +33,13 @@ from typing import Any
 
 import torch
 
-from eaglet.shared.dumpfile import DUMP_ENCODING_PARAM, FP8_ENCODING
+from eaglet.services.trainer.checkpoint import load_target_tensors
+from eaglet.shared.dumpfile import DumpEncoding
 from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES, DEFAULT_THREADS, DumpWriter
 from eaglet.shared.ids import is_eaglet_rid
 from eaglet.shared.layers import default_layer_ids, layer_ids_problem, sglang_arg_ids
 from eaglet.shared.store import FP8_DEVICE_BLOCK_BYTES, encode_fp8
+from eaglet.shared.topk import TOPK_PARAM, encode_topk
 from eaglet_sglang import versions
 from eaglet_sglang.collector import Collector, Rows, plan_rows
 from eaglet_sglang.writer import DumpJob, HostChunk, copy_rows, record_event
@@ -86,8 +98,24 @@ class _Snapshot:
     """The batch's lists as they were when the forward started (the overlap scheduler mutates them)."""
 
     rows: list[Rows]
-    fp8: frozenset[str]
-    """The rids whose request asked for fp8-encoded states (``custom_params``)."""
+    encodings: dict[str, DumpEncoding]
+    """rid -> what its request asked computed on the device (``custom_params``), for every rid of ``rows``."""
+
+
+@dataclass(slots=True)
+class _Worker:
+    """What the plugin knows of one ``TpModelWorker``, learnt at its first eaglet forward."""
+
+    writes: bool
+    layer_ids: list[int]
+    model: str
+    """The served name, recorded in each dump."""
+    model_path: str
+    """Where the server loaded the model from: the LM head of a top-k is read there."""
+    lm_head: torch.Tensor | None = None
+    """[V, H], read at the first top-k request and kept (on the capture device after the first top-k forward)."""
+    lm_head_problem: str | None = None
+    """Why it could not be read: no top-k request is served, none is tried again."""
 
 
 class DumpPlugin:
@@ -97,7 +125,7 @@ class DumpPlugin:
         self.settings = settings
         self.collector = Collector(timeout_s=settings.timeout_s)
         self._writer: DumpWriter | None = None  # started on the first dump: the launcher process never needs one
-        self._workers: dict[int, tuple[bool, list[int], str]] = {}  # id(worker) -> (writes?, layer ids, model)
+        self._workers: dict[int, _Worker] = {}  # by id(worker)
         self._armed = False
         self._final: torch.Tensor | None = None
         self._next_expiry = 0.0
@@ -178,7 +206,7 @@ class DumpPlugin:
         if batch is None or batch.forward_mode is None or batch.forward_mode.is_decode_or_idle():
             return None
         reqs = list(batch.reqs)
-        if not any(is_eaglet_rid(r.rid) for r in reqs) or not self._worker(worker)[0]:
+        if not any(is_eaglet_rid(r.rid) for r in reqs) or not self._worker(worker).writes:
             return None
         decoding = {id(r) for r in (batch.decoding_reqs or [])}
         rows = plan_rows(
@@ -188,41 +216,102 @@ class DumpPlugin:
             list(batch.extend_lens),
             [id(r) in decoding for r in reqs],
         )
-        fp8 = frozenset(r.rid for r in reqs if _asks_fp8(r))
-        return _Snapshot(rows, fp8) if rows else None
+        planned = {r.rid for r in rows}
+        encodings = {}
+        for req in reqs:
+            if req.rid in planned and (encoding := self._encoding(worker, req)) is not None:
+                encodings[req.rid] = encoding
+        rows = [r for r in rows if r.rid in encodings]
+        return _Snapshot(rows, encodings) if rows else None
+
+    def _encoding(self, worker: Any, req: Any) -> DumpEncoding | None:
+        """What ``req`` asks computed on the device; None (the reason logged once) for a top-k this worker cannot
+        give, and the request is not dumped: a dump without the top-k it asked for would only be refused."""
+        params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        params = params if isinstance(params, dict) else {}
+        vocab_size = 0
+        if params.get(TOPK_PARAM):
+            head = self._lm_head(self._worker(worker))
+            if head is None:
+                return None
+            vocab_size = head.shape[0]
+        try:
+            return DumpEncoding.from_params(params, vocab_size)
+        except ValueError as e:
+            self._warn_once(str(e))
+            return None
+
+    def _lm_head(self, info: _Worker) -> torch.Tensor | None:
+        """The target's LM head as the trainer reads it: the whole real vocabulary, unpadded and unsharded."""
+        if info.lm_head is None and info.lm_head_problem is None:
+            try:
+                info.lm_head = load_target_tensors(Path(info.model_path))["lm_head"]
+                log.info("LM head of %s read for the top-k: %s", info.model_path, list(info.lm_head.shape))
+            except Exception as e:  # any reason at all: the server goes on, these requests get no dump
+                info.lm_head_problem = (
+                    f"top-k asked, but the LM head cannot be read from the model path {info.model_path!r}, which "
+                    f"must be a local directory with config.json and safetensors files ({type(e).__name__}: {e})"
+                )
+        if info.lm_head_problem is not None:
+            self._warn_once(info.lm_head_problem)
+        return info.lm_head
 
     def _capture(self, worker: Any, snapshot: _Snapshot, result: Any, stashed: torch.Tensor | None) -> None:
-        _, layer_ids, model = self._worker(worker)
+        info = self._worker(worker)
         out = getattr(result, "logits_output", None)
         aux = getattr(out, "hidden_states", None)
         final = getattr(out, "last_hidden_states", None)
         final = stashed if final is None else final
         needed = max(r.start + r.length for r in snapshot.rows)
-        problem = _check_outputs(aux, final, len(layer_ids), needed)
+        problem = _check_outputs(aux, final, len(info.layer_ids), needed)
         if problem:
             self._warn_once(problem)
             return
+        encodings = snapshot.encodings
         encoded = None
-        if any(r.rid in snapshot.fp8 for r in snapshot.rows):
+        if any(encodings[r.rid].fp8 for r in snapshot.rows):
             # On the device, before the copy: half the bytes through PCIe, pinned memory, the dump and the disk.
             (aux_fp8, aux_scale) = encode_fp8(aux[:needed], FP8_DEVICE_BLOCK_BYTES)
             (final_fp8, final_scale) = encode_fp8(final[:needed], FP8_DEVICE_BLOCK_BYTES)
             encoded = (aux_fp8, final_fp8, aux_scale, final_scale)
+        topk = self._topk(info, snapshot, final) if any(e.topk for e in encodings.values()) else {}
         copies = []
         for r in snapshot.rows:
-            sources = encoded if encoded is not None and r.rid in snapshot.fp8 else (aux, final)
-            copies.append((r, [copy_rows(t, r.start, r.length) for t in sources]))
+            sources = encoded if encoded is not None and encodings[r.rid].fp8 else (aux, final)
+            host = [copy_rows(t, r.start, r.length) for t in sources]
+            host_topk = None
+            if r.rid in topk:
+                ids, logp = topk[r.rid]
+                host_topk = (copy_rows(ids, 0, r.length), copy_rows(logp, 0, r.length))
+            copies.append((r, host, host_topk))
         event = record_event(aux.device)
-        for rows, host in copies:
-            done = self.collector.add(rows, HostChunk(host[0], host[1], event, *host[2:]))
+        for rows, host, host_topk in copies:
+            done = self.collector.add(rows, HostChunk(host[0], host[1], event, *host[2:], topk=host_topk))
             if done is not None:
-                job = DumpJob(done.rid, done.chunks, layer_ids, model, aux.dtype)
+                job = DumpJob(done.rid, done.chunks, info.layer_ids, info.model, aux.dtype)
                 # Blocks while the writer holds its cap of bytes: the forwards slow to the disk's pace.
                 self.writer.submit(job.nbytes, partial(job.write, self.settings.dump_dir), f"rid {job.rid}")
         now = time.monotonic()
         if now >= self._next_expiry:
             self._next_expiry = now + 1.0
             self.collector.expire()
+
+    def _topk(
+        self, info: _Worker, snapshot: _Snapshot, final: torch.Tensor
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """rid -> the top-k (ids, log-probs) of its rows, on the device, for the requests that asked: [n, k] crosses
+        to the host, never [n, V]. One pass over the rows of all the requests asking the same k."""
+        assert info.lm_head is not None  # read in _snapshot, else no request here asks for a top-k
+        # Moved at the first top-k forward (then .to is a no-op): the head scores the states in their own dtype.
+        head = info.lm_head = info.lm_head.to(final.device, final.dtype)
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for k in sorted({e.topk for e in snapshot.encodings.values()} - {0}):
+            asked = [r for r in snapshot.rows if snapshot.encodings[r.rid].topk == k]
+            ids, logp = encode_topk(torch.cat([final[r.start : r.start + r.length] for r in asked]), head, k)
+            lengths = [r.length for r in asked]
+            for r, pair in zip(asked, zip(ids.split(lengths), logp.split(lengths), strict=True), strict=True):
+                out[r.rid] = pair
+        return out
 
     @property
     def writer(self) -> DumpWriter:
@@ -236,25 +325,21 @@ class DumpPlugin:
         if self._writer is not None:
             self._writer.flush()
 
-    def _worker(self, worker: Any) -> tuple[bool, list[int], str]:
+    def _worker(self, worker: Any) -> _Worker:
         key = id(worker)
         if key not in self._workers:
             model = worker.model_runner.model
             args = worker.server_args
             name = getattr(args, "served_model_name", None) or args.model_path
-            self._workers[key] = (is_writer_rank(), captured_layers(model), str(name))
-            log.info("worker %s: writes dumps %s, layers %s, model %s", key, *self._workers[key])
+            info = _Worker(is_writer_rank(), captured_layers(model), str(name), str(args.model_path))
+            self._workers[key] = info
+            log.info("worker %s: writes dumps %s, layers %s, model %s", key, info.writes, info.layer_ids, info.model)
         return self._workers[key]
 
     def _warn_once(self, problem: str) -> None:
         if problem not in self._warned:
             self._warned.add(problem)
             log.error("no dumps: %s", problem)
-
-
-def _asks_fp8(req: Any) -> bool:
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return isinstance(params, dict) and params.get(DUMP_ENCODING_PARAM) == FP8_ENCODING
 
 
 def _check_outputs(aux: Any, final: Any, num_aux: int, rows: int) -> str | None:

@@ -4,7 +4,8 @@ The hook runs on the scheduler thread right after the forward. Its outputs may b
 buffers that the next replay overwrites, so the rows are copied at once, but asynchronously: into
 pinned host memory, queued on the current (forward) stream, with one event recorded after them. A
 writer thread (shared/dumpwriter.py, bounded in bytes) waits for that event, joins a prompt's
-chunks and writes the file.
+chunks and writes the file. A chunk holds what its request asked for (fp8 scales, the top-k
+distribution) beside the states, and so does the dump.
 """
 
 import logging
@@ -27,11 +28,13 @@ class HostChunk:
     event: "torch.cuda.Event | None"
     aux_scale: torch.Tensor | None = None  # [n, 1] float32 when the states are fp8-encoded
     hidden_scale: torch.Tensor | None = None
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The target's top-k (ids int32, log-probs float16) [n, k] when the request asked for it."""
 
     def tensors(self) -> list[torch.Tensor]:
-        """In dump order: final, aux, then their scales when encoded."""
+        """In dump order: final, aux, then their scales when encoded, then the top-k when asked."""
         scales = [] if self.hidden_scale is None else [self.hidden_scale, self.aux_scale]
-        return [self.hidden_states, self.aux_hidden_states, *scales]
+        return [self.hidden_states, self.aux_hidden_states, *scales, *(self.topk or ())]
 
 
 def copy_rows(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
@@ -71,7 +74,9 @@ class DumpJob:
             if chunk.event is not None:
                 chunk.event.synchronize()
         parts = [_join([c.tensors()[i] for c in self.chunks]) for i in range(len(self.chunks[0].tensors()))]
-        hidden, aux, *scales = parts
+        hidden, aux, *rest = parts
+        # Every chunk of a request holds the same parts, those the request asked for: scales first, then the top-k.
+        first = self.chunks[0]
         path = write_dump(
             dump_dir,
             self.rid,
@@ -79,8 +84,9 @@ class DumpJob:
             aux,
             aux_layer_ids=self.aux_layer_ids,
             model=self.model,
-            scales=(scales[0], scales[1]) if scales else None,
+            scales=(rest[0], rest[1]) if first.hidden_scale is not None else None,
             model_dtype=self.model_dtype,
+            topk=(rest[-2], rest[-1]) if first.topk is not None else None,
         )
         log.debug("rid %s: dump %s written (%d tokens)", self.rid, path.name, hidden.shape[0])
         return path
