@@ -82,10 +82,12 @@ def test_two_hosts_share_one_run_and_one_data_folder(redis, redis_server, tiny_m
             ingest_new_run(redis, hosts["host-a"], run_id, tmp_path / "data.jsonl", RunOptions())
             state = RunState(redis, run_id)
 
-            # Both servers in /status, each with its host, its model and the rate of its own two workers.
+            # Both servers in /status, each with its host, its model and the rate of its own two workers (a worker
+            # is counted from its first heartbeat: on a loaded machine one may extract before the other beats)
             def both_extracting() -> dict | None:
                 servers = servers_by_host(gateway_url)
-                ready = all(h in servers and servers[h]["samples_per_s"] > 0 for h in HOSTS)
+                ready = all(h in servers and servers[h]["samples_per_s"] > 0 and servers[h]["workers"] == 2
+                            for h in HOSTS)  # fmt: skip
                 return servers if ready else None
 
             servers = wait_for("both hosts extracting, in /status", both_extracting, 240, 0.3)
