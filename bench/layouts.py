@@ -26,12 +26,12 @@ sys.path.insert(0, str(ROOT))
 from bench.common import load, save_result  # noqa: E402
 from bench.quality import derive_run, extract_source, start_bench, train_and_eval  # noqa: E402
 from eaglet.cli.demo import DEMO_EVAL_FLAGS, DEMO_TRAIN_FLAGS  # noqa: E402
-from eaglet.services.trainer.checkpoint import load_target_tensors  # noqa: E402
 from eaglet.shared.layout import Layout, bytes_per_token  # noqa: E402
 from eaglet.shared.runstate import RunState  # noqa: E402
 from eaglet.shared.samples import SampleSet  # noqa: E402
 from eaglet.shared.store import samples_dir  # noqa: E402
 from eaglet.shared.target import resolve_model_dir  # noqa: E402
+from eaglet.shared.targettensors import load_target_tensors  # noqa: E402
 
 # name=final:k:aux; the first is the reference every other is compared with
 LAYOUTS = "bf16=all:0:full,loss=loss:0:full,fp4=all:0:fp4,top32=topk:32:full,top32-fp4=topk:32:fp4"

@@ -804,10 +804,10 @@ def phase_layouts() -> None:
 
     sys.path.insert(0, str(P.REPO))  # the CPU benches' package, for their derive_run
     from bench.quality import derive_run
-    from eaglet.services.trainer.checkpoint import load_target_tensors
     from eaglet.shared.layout import Layout
     from eaglet.shared.samples import SampleSet
     from eaglet.shared.store import samples_dir
+    from eaglet.shared.targettensors import load_target_tensors
 
     if done("h2h-layouts"):
         return

@@ -53,7 +53,6 @@ from safetensors.torch import save_file
 from trainshapes import KIMI, TEXT
 
 from eaglet.services.trainer import train as trainer
-from eaglet.services.trainer.checkpoint import load_target_tensors
 from eaglet.services.trainer.compiled import compile_on
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.distributed import init_distributed
@@ -66,6 +65,7 @@ from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.logs import setup_logging
 from eaglet.shared.samples import SampleWriter
 from eaglet.shared.store import run_dir, sample_path, samples_dir, write_sample
+from eaglet.shared.targettensors import load_target_tensors
 
 WARMUP_STEPS = 2
 STEPS = int(os.environ.get("TRAINSPEED_STEPS", "6"))

@@ -1,5 +1,5 @@
-"""Files the trainer reads and writes: the target's embedding and LM head, the drafter that SGLang and vLLM
-load, and the trainer state that a resumed run continues from.
+"""Files the trainer reads and writes: the drafter that SGLang and vLLM load, and the trainer state that a resumed
+run continues from (the target's embedding and LM head: shared/targettensors.py).
 
 Drafter (``<run>/drafter/``), read by SGLang's ``LlamaForCausalLMEagle3`` (``models/llama_eagle3.py``) and
 vLLM's ``Eagle3LlamaForCausalLM`` (``model_executor/models/llama_eagle3.py``)::
@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 
 from eaglet.services.trainer.model import Drafter, DrafterConfig, rope_theta
 from eaglet.shared.layers import sglang_arg_ids
+from eaglet.shared.targettensors import tensor_files
 
 log = logging.getLogger(__name__)
 
@@ -55,69 +56,7 @@ CHECKPOINT_PREFIX = "step_"
 
 
 class CheckpointError(RuntimeError):
-    """A target checkpoint lacks a tensor the drafter needs, or a trainer checkpoint does not fit this run."""
-
-
-# ---- the target's tensors -----------------------------------------------------------------------------------
-
-
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the index if sharded; only headers are read."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / f for name, f in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no safetensors files; the target must be a safetensors checkpoint")
-    names = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            names.update({k: f for k in st.keys()})
-    return names
-
-
-def _find(names: dict[str, Path], suffix: str) -> str | None:
-    """The one tensor whose name ends with ``suffix`` (``model.`` or ``language_model.model.`` prefixes vary)."""
-    hits = sorted(n for n in names if n == suffix or n.endswith("." + suffix))
-    return hits[0] if hits else None
-
-
-def load_target_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """The target's ``embed`` [V, H], ``lm_head`` [V, H] (the embedding itself when tied) and final ``norm`` [H],
-    read alone from its safetensors files: a 70B target costs two matrices of memory, not the model."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    text_config = config.get("text_config", config)
-    names = _tensor_files(model_dir)
-    wanted = {"embed": _find(names, "embed_tokens.weight"), "norm": _find(names, "norm.weight")}
-    head = _find(names, "lm_head.weight")
-    tied = text_config.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    if head is None and not tied:
-        raise CheckpointError(f"{model_dir}: no lm_head.weight and tie_word_embeddings is false")
-    wanted["lm_head"] = head if head is not None else wanted["embed"]
-    # model.norm.weight, not a layer's norm: prefer the shortest name ending in "norm.weight" under the model
-    norms = [n for n in names if n.endswith("model.norm.weight") or n == "norm.weight"]
-    wanted["norm"] = min(norms, key=len) if norms else None
-    missing = [k for k, v in wanted.items() if v is None]
-    if missing:
-        raise CheckpointError(f"{model_dir}: tensors for {missing} not found in the safetensors files")
-    out = {}
-    for key, name in wanted.items():
-        with safe_open(str(names[name]), framework="pt") as st:
-            out[key] = st.get_tensor(name)
-    if str(text_config.get("model_type", "")).startswith("gemma"):
-        if head is not None and not torch.equal(out["lm_head"], out["embed"]):
-            # SGLang's and vLLM's Gemma classes score with the embedding and skip lm_head.weight when loading: a
-            # drafter trained against this head would be verified against another model's choices (accepts none)
-            raise CheckpointError(
-                f"{model_dir}: a Gemma checkpoint whose lm_head.weight differs from its embed_tokens.weight; SGLang "
-                "and vLLM serve Gemma with the embedding as its LM head and ignore lm_head.weight, so the drafter "
-                "would learn a head the engines never use. Tie them (tie_word_embeddings: true, no lm_head.weight)"
-            )
-        # Gemma's RMSNorm scales by (1 + w) and its checkpoints store w; the drafter's norm scales by its weight
-        out["norm"] = out["norm"].float() + 1
-    return out
+    """A drafter or trainer checkpoint that cannot be read, or does not fit this run."""
 
 
 # ---- the drafter as the engines load it ---------------------------------------------------------------------
@@ -244,7 +183,7 @@ def _drafter_state(folder: Path) -> dict[str, torch.Tensor]:
     if not (folder / "model.safetensors").is_file() and not (folder / "model.safetensors.index.json").is_file():
         raise CheckpointError(f"{folder}: no model.safetensors (nor model.safetensors.index.json); no drafter weights")
     state = {}
-    for name, path in _tensor_files(folder).items():
+    for name, path in tensor_files(folder).items():
         with safe_open(str(path), framework="pt") as f:
             state[name] = f.get_tensor(name)
     return state

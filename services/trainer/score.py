@@ -36,6 +36,7 @@ from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import sample_header, sample_path, samples_dir, state_widths
 from eaglet.shared.target import model_config, resolve_model_dir
+from eaglet.shared.targettensors import load_target_tensors
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def heldout_items(data_dir: Path, run_id: str, fraction: float, redis: Redis | N
 def load_objective(target_dir: Path, drafter_dir: Path, cfg: TrainConfig, device: torch.device) -> TTTObjective:
     """The trainer's objective around the saved drafter: the target's embedding and LM head, the drafter's own
     draft vocabulary (from its d2t)."""
-    tensors = ckpt.load_target_tensors(target_dir)
+    tensors = load_target_tensors(target_dir)
     embed, head = tensors["embed"].float(), tensors["lm_head"].float()
     try:
         drafter = ckpt.load_drafter(drafter_dir, embed)

@@ -61,6 +61,7 @@ from eaglet.shared.samples import SampleSet
 from eaglet.shared.series import TrainPoint
 from eaglet.shared.store import StoreError, checkpoints_dir, drafter_dir, read_metadata, sample_path, samples_dir
 from eaglet.shared.target import model_config
+from eaglet.shared.targettensors import load_target_tensors
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def build_drafter(
     """A fresh drafter shaped after the target (``model.drafter_config``) reading the states of ``layers``, or as
     ``shape`` says (a resumed run keeps its checkpoint's shape), and the target's LM head [V, H] for the loss."""
     tcfg = model_config(target_dir)
-    tensors = ckpt.load_target_tensors(target_dir)
+    tensors = load_target_tensors(target_dir)
     if shape is None:
         shape = drafter_config(
             tcfg.get("text_config", tcfg), vocab_size=tensors["embed"].shape[0], draft_vocab_size=len(draft_ids),
@@ -255,7 +256,7 @@ def previous_drafter(cfg: TrainConfig, target_dir: Path, layers: list[int]) -> D
         return None
     tcfg = model_config(target_dir)
     hidden = int(tcfg.get("text_config", tcfg)["hidden_size"])
-    embed = ckpt.load_target_tensors(target_dir)["embed"].float()
+    embed = load_target_tensors(target_dir)["embed"].float()
     return onpolicy.load_previous(Path(cfg.onpolicy_from), embed, hidden, layers)
 
 

@@ -15,7 +15,7 @@ import torch
 from eaglet.services.extractor.extract import Extractor
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.ingest.jobs import ingest_new_run
-from eaglet.services.trainer.checkpoint import load_drafter, load_target_tensors
+from eaglet.services.trainer.checkpoint import load_drafter
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.distributed import Dist
 from eaglet.services.trainer.train import train
@@ -24,6 +24,7 @@ from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import decode_states, drafter_dir, open_sample, read_metadata, sample_path, samples_dir
+from eaglet.shared.targettensors import load_target_tensors
 
 LAYERS = 7  # the default capture rule [2, L//2, L-3] applies from 7 layers on
 CAPTURED = [2, LAYERS // 2, LAYERS - 3]

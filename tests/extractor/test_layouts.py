@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from eaglet.services.ingest.jobs import ingest_new_run
-from eaglet.services.trainer.checkpoint import load_target_tensors
 from eaglet.shared.fp4 import encode_fp4
 from eaglet.shared.layout import Layout
 from eaglet.shared.runoptions import RunOptions
@@ -22,6 +21,7 @@ from eaglet.shared.store import (
     sample_path,
     samples_dir,
 )
+from eaglet.shared.targettensors import load_target_tensors
 from eaglet.shared.topk import encode_topk
 from tests.extractor.test_pipeline import extractor_for, settings, write_dataset  # noqa: F401 (a fixture)
 

@@ -177,8 +177,8 @@ def test_topk_asked_is_computed_before_the_copy_from_the_model_directorys_head(s
     computes it; what the worker's own check of a top-k run accepts."""
     import torch
 
-    from eaglet.services.trainer.checkpoint import load_target_tensors
     from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump
+    from eaglet.shared.targettensors import load_target_tensors
     from eaglet.shared.topk import encode_topk
 
     results, dumps = sglang_cases

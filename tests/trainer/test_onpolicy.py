@@ -17,6 +17,7 @@ from eaglet.services.trainer.onpolicy import ChainReplay, OnPolicyError
 from eaglet.services.trainer.speculative import aux_states, greedy_generate, speculative_generate
 from eaglet.services.trainer.train import epoch_batches, make_objective, start, train
 from eaglet.shared.store import drafter_dir
+from eaglet.shared.targettensors import load_target_tensors
 from tests.trainer.fixtures import make_run, token_sequences
 from tests.trainer.test_train import small
 
@@ -146,7 +147,7 @@ def test_a_round_starts_from_the_previous_drafter_and_trains(redis, tmp_path, ti
     assert {0, 1, 2, 3} <= set(first.tolist())  # chains rejected at each draft, and accepted to the end
     # on the target's greedy text the sample's next token is the target's top token: a chain rejected against the
     # sample is one the target rejects
-    head = ckpt.load_target_tensors(tiny_model_dir)["lm_head"].float()
+    head = load_target_tensors(tiny_model_dir)["lm_head"].float()
     tops = (batch["hidden_states"][0] @ head.T).argmax(-1)
     docs = batch["document_ids"][0]
     answers = (batch["position_ids"][0, :-1] >= 5) & (docs[:-1] == docs[1:])  # after each 6-token prompt

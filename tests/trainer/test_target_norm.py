@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from eaglet.services.trainer.checkpoint import CheckpointError, load_target_tensors
 from eaglet.services.trainer.model import RMSNorm
+from eaglet.shared.targettensors import TargetTensorsError, load_target_tensors
 
 
 def test_gemmas_final_norm_becomes_the_drafters_plain_weight(tmp_path):
@@ -38,7 +38,9 @@ def test_a_gemma_head_apart_from_its_embedding_is_refused_naming_why(tmp_path):
     with torch.no_grad():
         untied.lm_head.weight.normal_()
     untied.save_pretrained(tmp_path / "untied")
-    with pytest.raises(CheckpointError, match=r"(?s)untied: a Gemma checkpoint whose lm_head.weight differs.*Tie them"):
+    with pytest.raises(
+        TargetTensorsError, match=r"(?s)untied: a Gemma checkpoint whose lm_head.weight differs.*Tie them"
+    ):
         load_target_tensors(tmp_path / "untied")
 
 

@@ -17,7 +17,7 @@ in the forward hook, on the forward's outputs, before the copy to the host: fp8-
 encoder), and the target's top-k distribution (``encode_topk``, from the final states before any encoding). The
 top-k needs the target's LM head over its whole real vocabulary, the one the trainer uses; SGLang's own is padded
 and sharded across TP ranks (and Gemma's class scores with its embedding), so the writer rank reads it from the
-server's model directory (the trainer's ``load_target_tensors``) at its first top-k request and keeps it on its
+server's model directory (shared/targettensors.py, as the trainer does) at its first top-k request and keeps it on its
 GPU: V x H x 2 bytes there in bf16 (Llama 3 8B: 1.05 GB; Kimi-K2.5: 2.35 GB). A model path that is not a local
 safetensors checkpoint (a hub id, a GGUF file) cannot serve a top-k: the reason is logged once and those requests
 get no dump, which their worker reports.
@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from eaglet.services.trainer.checkpoint import load_target_tensors
 from eaglet.shared.dumpfile import DumpEncoding
 from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES, DEFAULT_THREADS, DumpWriter
 from eaglet.shared.ids import is_eaglet_rid
 from eaglet.shared.layers import default_layer_ids, layer_ids_problem, sglang_arg_ids
 from eaglet.shared.store import FP8_DEVICE_BLOCK_BYTES, encode_fp8
+from eaglet.shared.targettensors import load_target_tensors
 from eaglet.shared.topk import TOPK_PARAM, encode_topk
 from eaglet_sglang import versions
 from eaglet_sglang.collector import Collector, Rows, plan_rows
