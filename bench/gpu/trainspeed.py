@@ -6,6 +6,7 @@ Phases (through phases.py's runner: deadlines, results in $OUT/<phase>.json):
   trainspeed    every shape of TRAINSPEED_SHAPES (kimi,l8b,smol) at every length of TRAINSPEED_LENGTHS, with the
                 trainer options TRAINSPEED_FLAGS (the trainer's own flags, e.g. "--loss-chunk 0")
   trainspeed-b  the same rows with TRAINSPEED_FLAGS_B: a change measured against the first in the same call
+                (at TRAINSPEED_LENGTHS_B if set: e.g. only the lengths the change is for)
   trainspeed-compile  each row of TRAINSPEED_COMPILE_ROWS (smol:2048,smol:8192,l8b:8192) with --compile off and on,
                 interleaved, TRAINSPEED_REPEATS (3) times each, with TRAINSPEED_FLAGS: the median tokens/s of each
                 and their spread, and on's ratio to off
@@ -381,8 +382,9 @@ def speed(marks: list[tuple[float, int]], start: float, f: dict) -> dict:
     }
 
 
-def run_phase(phase: str, flags_env: str) -> None:
+def run_phase(phase: str, flags_env: str, lengths_env: str = "TRAINSPEED_LENGTHS") -> None:
     flags = os.environ.get(flags_env, "")
+    lengths = sorted(int(x) for x in os.environ[lengths_env].split(",")) if os.environ.get(lengths_env) else LENGTHS
     cfg = trainer_config(flags)
     if STEPS <= WARMUP_STEPS:
         raise ValueError(f"TRAINSPEED_STEPS ({STEPS}) must be more than the {WARMUP_STEPS} warm-up steps")
@@ -398,7 +400,7 @@ def run_phase(phase: str, flags_env: str) -> None:
              peak_flops=PEAK_FLOPS, done=True)  # fmt: skip
     for name in SHAPE_NAMES:
         stopped = None  # why the longer lengths are skipped: an out-of-memory, or the trainer's refusal
-        for T in LENGTHS:
+        for T in lengths:
             if stopped is not None:
                 row = {"shape": name, "T": T, "outcome": "skipped", "why": stopped}
             elif (est := estimate_s(name, T, cfg)) > (left := time_left()):
@@ -552,7 +554,7 @@ def phase_estimate() -> float:
 
 PHASES: dict[str, Callable[[], None]] = {
     "trainspeed": functools.partial(run_phase, "trainspeed", "TRAINSPEED_FLAGS"),
-    "trainspeed-b": functools.partial(run_phase, "trainspeed-b", "TRAINSPEED_FLAGS_B"),
+    "trainspeed-b": functools.partial(run_phase, "trainspeed-b", "TRAINSPEED_FLAGS_B", "TRAINSPEED_LENGTHS_B"),
     "trainspeed-compile": run_compile_phase,
 }
 ESTIMATE_S = {phase: phase_estimate for phase in PHASES}

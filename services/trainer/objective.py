@@ -144,13 +144,16 @@ class TTTObjective(nn.Module):
         # accuracy is over every loss position, the unusable ones counting as misses: comparable across vocabularies
         positions = torch.tensor(loss_row_counts, dtype=torch.float32).to(input_ids.device, non_blocking=True)
         counts, positions = self.global_counts(torch.cat([torch.stack([w.sum() for w in weights]), positions]))
+        # A chunk keeps its inputs only, its logits recomputed in the backward pass, in any row longer than one
+        # chunk (the memory rule's case), even where each step's loss rows fit one: every step's kept log-probs
+        # would then be S x chunk x Vd, which the rule does not count
+        recompute = torch.is_grad_enabled() and 0 < self.cfg.loss_chunk < input_ids.numel() - 2
         sums = []
         for out, r, t, w, u in zip(outs, rows, targets, weights, usables, strict=True):
-            spans = self.spans(len(r))
             total = torch.zeros(4, device=input_ids.device)
-            for lo, hi in spans:
+            for lo, hi in self.spans(len(r)):
                 args = (out, r[lo:hi], t[lo:hi], w[lo:hi], u[lo:hi], target)
-                if len(spans) > 1 and torch.is_grad_enabled():  # keep a chunk's inputs only; its logits recomputed
+                if recompute:
                     total = total + torch.utils.checkpoint.checkpoint(self.step_terms, *args, use_reentrant=False)
                 else:
                     total = total + self.step_terms(*args)

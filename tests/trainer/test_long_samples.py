@@ -60,6 +60,32 @@ def test_chunked_loss_checkpointed_steps_and_attention_blocks_equal_the_plain_co
     assert_same(plain, run(objective(**options)))
 
 
+def test_a_row_longer_than_one_chunk_keeps_no_steps_log_probs_even_where_each_steps_rows_fit_one():
+    """The memory rule counts no kept log-probabilities in a row longer than a loss chunk: a row whose loss
+    positions are few (each step's rows fit one chunk) recomputes them too, with the same figures."""
+    ids, mask, hidden, aux = batch()
+    mask = torch.zeros_like(mask)
+    mask[:, 3:9] = True  # 12 loss positions at most a step, in rows of B x T = 46 positions
+    kept = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[-1] == 40:  # the draft vocabulary: a step's logits or log-probabilities
+            kept.append(tuple(t.shape))
+        return t
+
+    def run_kept(o: TTTObjective) -> tuple:
+        kept.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            figures = run(o, ids, mask, hidden, aux)
+        return figures, list(kept)
+
+    plain, plain_kept = run_kept(objective(loss_chunk=0))
+    chunked, chunked_kept = run_kept(objective(loss_chunk=16))
+    assert plain_kept, "the plain computation keeps each step's log-probabilities for its backward pass"
+    assert chunked_kept == []
+    assert_same(plain, chunked)
+
+
 def samples(lengths: list[int]) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
 
