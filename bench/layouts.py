@@ -80,6 +80,7 @@ def main() -> int:
     p.add_argument("--seeds", default="0,1", help="trainer seeds; every seed trains every layout")
     p.add_argument("--eval-prompts", type=int, default=10)
     p.add_argument("--max-steps", type=int, default=0, help="cap the training steps (0: the recipe's epochs)")
+    p.add_argument("--result", default="layouts", help="results to bench/results/cpu-RESULT.json")
     args = p.parse_args()
     layouts, seeds = parse_layouts(args.layouts), [int(s) for s in args.seeds.split(",")]
     load_before = load()
@@ -96,9 +97,8 @@ def main() -> int:
         tokens = sum(samples.length(i) for i in range(min(args.limit, len(samples))))
         loss_rows = sum(int(samples[i].loss_mask[1:].sum()) for i in range(min(args.limit, len(samples))))
         figures["loss_fraction"] = round(loss_rows / tokens, 4)
-        lm_head = load_target_tensors(resolve_model_dir(bench.settings.model, bench.settings.model_cache_dir))[
-            "lm_head"
-        ]
+        model_dir = resolve_model_dir(bench.settings.model, bench.settings.model_cache_dir)
+        lm_head = load_target_tensors(model_dir, ("lm_head",))["lm_head"]
         figures["bytes_per_token_formula"] = {
             shape: {name: round(bytes_per_token(hidden, layout, "bf16", loss_fraction=figures["loss_fraction"]), 1)
                     for name, layout in layouts}
@@ -119,11 +119,11 @@ def main() -> int:
                 figures["runs"].append(row)
                 print(json.dumps(row), flush=True)
                 figures["summary"] = summarize(figures["runs"], layouts[0][0])
-                save_result("layouts", cmd, figures, load_before)  # after each run: a cut-short bench keeps its rows
+                save_result(args.result, cmd, figures, load_before)  # after each run: a cut-short bench keeps its rows
     finally:
         bench.close()
     print(json.dumps(figures.get("summary"), indent=1))
-    print("wrote", save_result("layouts", cmd, figures, load_before))
+    print("wrote", save_result(args.result, cmd, figures, load_before))
     return 0
 
 

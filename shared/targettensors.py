@@ -42,31 +42,44 @@ def _find(names: dict[str, Path], suffix: str) -> str | None:
     return hits[0] if hits else None
 
 
-def load_target_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """The target's ``embed`` [V, H], ``lm_head`` [V, H] (the embedding itself when tied) and final ``norm`` [H],
-    read alone from its safetensors files: a 70B target costs two matrices of memory, not the model."""
+PARTS = ("embed", "lm_head", "norm")
+
+
+def load_target_tensors(model_dir: Path, parts: tuple[str, ...] = PARTS) -> dict[str, torch.Tensor]:
+    """Of the target's ``embed`` [V, H], ``lm_head`` [V, H] (the embedding itself when tied) and final ``norm`` [H],
+    the ``parts`` asked for, read alone from its safetensors files, each tensor once: a 70B target costs at most two
+    matrices of memory, not the model; a server scoring top-k asks the head alone (one matrix)."""
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"load_target_tensors: unknown parts {unknown}; known: {list(PARTS)}")
     config = json.loads((Path(model_dir) / "config.json").read_text())
     text_config = config.get("text_config", config)
     names = tensor_files(model_dir)
-    wanted = {"embed": _find(names, "embed_tokens.weight"), "norm": _find(names, "norm.weight")}
+    embed = _find(names, "embed_tokens.weight")
     head = _find(names, "lm_head.weight")
     tied = text_config.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    if head is None and not tied:
+    if "lm_head" in parts and head is None and not tied:
         raise TargetTensorsError(f"{model_dir}: no lm_head.weight and tie_word_embeddings is false")
-    wanted["lm_head"] = head if head is not None else wanted["embed"]
     # model.norm.weight, not a layer's norm: prefer the shortest name ending in "norm.weight" under the model
     norms = [n for n in names if n.endswith("model.norm.weight") or n == "norm.weight"]
-    wanted["norm"] = min(norms, key=len) if norms else None
-    found = {k: v for k, v in wanted.items() if v is not None}
-    missing = sorted(wanted.keys() - found.keys())
+    wanted = {
+        "embed": embed,
+        "lm_head": head if head is not None else embed,
+        "norm": min(norms, key=len) if norms else None,
+    }
+    gemma = str(text_config.get("model_type", "")).startswith("gemma")
+    # a Gemma head is checked against the embedding, so asking for it reads both
+    needed = set(parts) | ({"embed", "lm_head"} if gemma and head is not None and "lm_head" in parts else set())
+    missing = sorted(k for k in needed if wanted[k] is None)
     if missing:
         raise TargetTensorsError(f"{model_dir}: tensors for {missing} not found in the safetensors files")
-    out = {}
-    for key, name in found.items():
+    read: dict[str, torch.Tensor] = {}
+    for name in sorted({wanted[k] for k in needed}):
         with safe_open(str(names[name]), framework="pt") as st:
-            out[key] = st.get_tensor(name)
-    if str(text_config.get("model_type", "")).startswith("gemma"):
-        if head is not None and not torch.equal(out["lm_head"], out["embed"]):
+            read[name] = st.get_tensor(name)
+    out = {k: read[wanted[k]] for k in needed}
+    if gemma:
+        if "lm_head" in needed and head is not None and not torch.equal(out["lm_head"], out["embed"]):
             # SGLang's and vLLM's Gemma classes score with the embedding and skip lm_head.weight when loading: a
             # drafter trained against this head would be verified against another model's choices (accepts none)
             raise TargetTensorsError(
@@ -74,6 +87,7 @@ def load_target_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
                 "and vLLM serve Gemma with the embedding as its LM head and ignore lm_head.weight, so the drafter "
                 "would learn a head the engines never use. Tie them (tie_word_embeddings: true, no lm_head.weight)"
             )
-        # Gemma's RMSNorm scales by (1 + w) and its checkpoints store w; the drafter's norm scales by its weight
-        out["norm"] = out["norm"].float() + 1
-    return out
+        if "norm" in out:
+            # Gemma's RMSNorm scales by (1 + w) and its checkpoints store w; the drafter's norm scales by its weight
+            out["norm"] = out["norm"].float() + 1
+    return {k: out[k] for k in parts}

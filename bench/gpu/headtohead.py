@@ -816,7 +816,7 @@ def phase_layouts() -> None:
     src = P.RESULTS["h2h-extract"]["run_id"]
     redis = Redis.from_url(P.REDIS_URL, decode_responses=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    lm_head = load_target_tensors(SMOL)["lm_head"].to(device)
+    lm_head = load_target_tensors(SMOL, ("lm_head",))["lm_head"].to(device)
     samples = SampleSet(samples_dir(P.DATA, src))
     tokens = sum(samples.length(i) for i in range(len(samples)))
     runs = R.setdefault("runs", {})

@@ -205,7 +205,7 @@ def ensure_target(name: str) -> Path:
 @functools.lru_cache(maxsize=1)
 def target_head(folder: Path) -> torch.Tensor:
     """The target's LM head [V, H] as the trainer finds it (one shape's rows after another: kept for the next)."""
-    return load_target_tensors(folder)["lm_head"]
+    return load_target_tensors(folder, ("lm_head",))["lm_head"]
 
 
 @torch.no_grad()

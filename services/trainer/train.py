@@ -256,7 +256,7 @@ def previous_drafter(cfg: TrainConfig, target_dir: Path, layers: list[int]) -> D
         return None
     tcfg = model_config(target_dir)
     hidden = int(tcfg.get("text_config", tcfg)["hidden_size"])
-    embed = load_target_tensors(target_dir)["embed"].float()
+    embed = load_target_tensors(target_dir, ("embed",))["embed"].float()
     return onpolicy.load_previous(Path(cfg.onpolicy_from), embed, hidden, layers)
 
 

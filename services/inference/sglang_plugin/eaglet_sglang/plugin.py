@@ -245,7 +245,7 @@ class DumpPlugin:
         """The target's LM head as the trainer reads it: the whole real vocabulary, unpadded and unsharded."""
         if info.lm_head is None and info.lm_head_problem is None:
             try:
-                info.lm_head = load_target_tensors(Path(info.model_path))["lm_head"]
+                info.lm_head = load_target_tensors(Path(info.model_path), ("lm_head",))["lm_head"]
                 log.info("LM head of %s read for the top-k: %s", info.model_path, list(info.lm_head.shape))
             except Exception as e:  # any reason at all: the server goes on, these requests get no dump
                 info.lm_head_problem = (
