@@ -70,14 +70,15 @@ def load_target_tensors(model_dir: Path, parts: tuple[str, ...] = PARTS) -> dict
     gemma = str(text_config.get("model_type", "")).startswith("gemma")
     # a Gemma head is checked against the embedding, so asking for it reads both
     needed = set(parts) | ({"embed", "lm_head"} if gemma and head is not None and "lm_head" in parts else set())
-    missing = sorted(k for k in needed if wanted[k] is None)
+    found = {k: name for k in needed if (name := wanted[k]) is not None}
+    missing = sorted(needed - found.keys())
     if missing:
         raise TargetTensorsError(f"{model_dir}: tensors for {missing} not found in the safetensors files")
     read: dict[str, torch.Tensor] = {}
-    for name in sorted({wanted[k] for k in needed}):
+    for name in sorted(set(found.values())):
         with safe_open(str(names[name]), framework="pt") as st:
             read[name] = st.get_tensor(name)
-    out = {k: read[wanted[k]] for k in needed}
+    out = {k: read[name] for k, name in found.items()}
     if gemma:
         if "lm_head" in needed and head is not None and not torch.equal(out["lm_head"], out["embed"]):
             # SGLang's and vLLM's Gemma classes score with the embedding and skip lm_head.weight when loading: a
