@@ -13,6 +13,9 @@ from collections.abc import Iterable
 
 from redis import Redis
 from rq import Callback, Queue
+from rq.executions import Execution
+from rq.job import Job
+from rq.utils import parse_composite_key
 
 from .keys import CONTROL_QUEUE, RunKeys, queue_name
 from .records import WorkerBeat, WorkerState
@@ -120,6 +123,24 @@ def owner_of(rq_name: str) -> tuple[str, str] | None:
     if len(parts) != 3 or not parts[2].isdigit():
         return None
     return parts[0], parts[1]
+
+
+def execution_of(rq_redis: Redis, entry: str) -> Execution | None:
+    """RQ's record of the run of a job that a started-registry entry (``<job id>:<execution id>``) stands for;
+    None once it has expired."""
+    jid, execution_id = parse_composite_key(entry)
+    try:
+        return Execution.fetch(execution_id, jid, connection=rq_redis)
+    except ValueError:
+        return None
+
+
+def running_worker(execution: Execution | None, job: Job) -> str:
+    """The RQ worker running a started-registry entry's execution. RQ's SimpleWorker writes the execution (with its
+    worker's name) and the registry entry in one step and the job's own worker name in a later one: a worker killed
+    between the two leaves a job that names no worker, or the worker of an earlier attempt; so the execution's
+    name first."""
+    return (execution.worker_name if execution else "") or job.worker_name or ""
 
 
 def owner_alive(owner: tuple[str, str], beats: dict[str, WorkerBeat], *, lost_after_s: float, instance: str) -> bool:

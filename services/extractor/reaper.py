@@ -4,11 +4,12 @@ A ``SimpleWorker`` killed with SIGKILL leaves its job in RQ's StartedJobRegistry
 plus a minute has passed (an hour with ours); only then does RQ call it abandoned, run the failure
 callback and move it to the FailedJobRegistry. That is far too long to leave a sample, and the callback
 would record it as failed. So live workers sweep the registries of active runs themselves, judging a
-job's worker by eaglet's own heartbeats: the job's RQ worker name carries the process's instance id
-(``<name>:<instance>:<n>``), and a worker whose heartbeat is stale, missing, or from another instance
-(restarted under the same name) is dead. The sweeper that removes the registry entry (an atomic ZREM)
-owns the job: it clears the sample's in-flight entry and its partial file, then queues it again, unless
-the sample's worker has died ``max_lost`` times, in which case the sample is recorded as failed.
+job's worker by eaglet's own heartbeats: the RQ worker name of the job's execution (RQ's record of this run
+of it) carries the process's instance id (``<name>:<instance>:<n>``), and a worker whose heartbeat is stale,
+missing, or from another instance (restarted under the same name) is dead. The sweeper that removes the
+registry entry (an atomic ZREM) owns the job: it clears the sample's in-flight entry and its partial file,
+then queues it again, unless the sample's worker has died ``max_lost`` times, in which case the sample is
+recorded as failed.
 
 A worker that listens to several queues takes a job with LPOP, and puts it in the started registry only
 a moment later: killed in between, the job is in no queue and no registry, and RQ never sees it again. A sweep
@@ -38,7 +39,17 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.utils import parse_composite_key
 
 from eaglet.shared import heartbeats
-from eaglet.shared.jobqueue import REGEN_JOB, enqueue_batches, enqueue_samples, job_id, owner_alive, owner_of, run_queue
+from eaglet.shared.jobqueue import (
+    REGEN_JOB,
+    enqueue_batches,
+    enqueue_samples,
+    execution_of,
+    job_id,
+    owner_alive,
+    owner_of,
+    run_queue,
+    running_worker,
+)
 from eaglet.shared.keys import RunKeys, queue_name
 from eaglet.shared.records import ExtractionCounts, Stage, WorkerBeat
 from eaglet.shared.regeneration import Progress, requeue_batch
@@ -138,20 +149,22 @@ class Reaper:
         if job.func_name == REGEN_JOB:
             return self._check_batch(registry, entry, job, beats)
         run, index = job.args
-        started = job.started_at.timestamp() if job.started_at else now
+        execution = execution_of(self.rq_redis, entry)
+        began = job.started_at or (execution.created_at if execution else None)
+        started = began.timestamp() if began else now
         if now - started > self.lost_after_s and RunState(self.redis, run).has_outcome(int(index)):
             # Its sample was marked, but RQ could not record the job's end (Redis went away in between): a
             # stale entry, whoever owns it, that would hold the run's lost-job check below forever.
             if self.rq_redis.zrem(registry.key, entry):
                 job.delete()
             return "stale"
-        owner = owner_of(job.worker_name or "")
+        owner = owner_of(running_worker(execution, job))
         # A Redis outage ends this process's RQ worker mid-job and the next burst runs under a new name: the job
         # it held would look alive (same instance) until RQ's job timeout, and hold the run open that long.
         ended_here = (
             owner is not None
             and owner[1] == self.instance
-            and job.worker_name != self.current_rq_worker()
+            and running_worker(execution, job) != self.current_rq_worker()
             and now - started > self.lost_after_s
         )
         if owner is None or (
@@ -168,7 +181,7 @@ class Reaper:
 
     def _check_batch(self, registry: StartedJobRegistry, entry: str, job: Job, beats: dict[str, WorkerBeat]) -> str:
         """A regeneration batch whose worker died: queued again (its finished prompts are in its file, kept)."""
-        owner = owner_of(job.worker_name or "")
+        owner = owner_of(running_worker(execution_of(self.rq_redis, entry), job))
         if owner is None or owner_alive(owner, beats, lost_after_s=self.lost_after_s, instance=self.instance):
             return "alive"
         if not self.rq_redis.zrem(registry.key, entry):

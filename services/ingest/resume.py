@@ -26,9 +26,11 @@ from eaglet.shared.jobqueue import (
     REGEN_PLAN_JOB,
     enqueue_ingest,
     enqueue_regeneration,
+    execution_of,
     job_id,
     owner_alive,
     owner_of,
+    running_worker,
 )
 from eaglet.shared.keys import CONTROL_QUEUE
 from eaglet.shared.records import FINISHED_STAGES, Stage
@@ -49,7 +51,7 @@ def resume_dead_ingests(redis: Redis, rq_redis: Redis, *, instance: str, lost_af
             job = Job.fetch(jid, connection=rq_redis)
         except NoSuchJobError:
             continue
-        owner = owner_of(job.worker_name or "")
+        owner = owner_of(running_worker(execution_of(rq_redis, entry.decode()), job))
         if job.func_name not in (INGEST_JOB, REGEN_PLAN_JOB) or owner is None:
             continue
         if owner_alive(owner, beats, lost_after_s=lost_after_s, instance=instance):

@@ -9,13 +9,14 @@ import time
 import pytest
 from redis import Redis
 from rq import Queue
+from rq.executions import Execution
 
 from eaglet.cli.stack import LocalStack
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.shared import heartbeats, keys
 from eaglet.shared.heartbeats import WorkerState
-from eaglet.shared.jobqueue import cancel, enqueue_ingest, run_queue
+from eaglet.shared.jobqueue import cancel, enqueue_ingest, rq_worker_name, run_queue
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runs import create_run
 from eaglet.shared.runstate import RunState, Stage
@@ -150,6 +151,33 @@ def test_a_job_in_no_queue_and_no_registry_is_found(redis, settings, tmp_path, e
     assert counts.done == n
     lost = [json.loads(e) for e in redis.lrange(state.keys.errors, 0, -1) if "job was lost" in e]
     assert [e["index"] for e in lost] == [taken]
+    assert events.count(run_id, "extraction_complete") == 1
+
+
+def test_a_worker_killed_between_its_started_entry_and_its_jobs_start_loses_nothing(redis, settings, tmp_path, events):
+    """RQ's SimpleWorker records a job's execution (its worker's name) with the started-registry entry, and the job's
+    own worker name and start a step later: killed in between, the entry's job names no worker. The moment is a few
+    instructions wide, so its state is made with RQ's own calls for those two steps' first (the dead worker's
+    execution); the sweep must judge the entry by the execution's worker, or it holds the run open forever."""
+    n, run_id = 6, "unstarted"
+    write_dataset(tmp_path / "data.jsonl", n, prefix="u")
+    ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
+    rq_redis = Redis.from_url(settings.redis_url)
+    job, _ = Queue.dequeue_any([run_queue(rq_redis, run_id)], None, connection=rq_redis)
+    with rq_redis.pipeline() as pipe:
+        Execution.create(job, 3600, pipeline=pipe, worker_name=rq_worker_name("gone", "0123456789ab", 1))
+        pipe.execute()
+    job.refresh()
+    assert job.worker_name is None and rq_redis.zcard(job.started_job_registry.key) == 1
+    state = RunState(redis, run_id)
+    with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
+        stack.start("w0", "eaglet.services.extractor.worker", "--name", "w0")
+        wait_for("the run to complete", state.extraction_complete, 60)
+    assert check_outcome(redis, settings, run_id, n).done == n
+    requeued = requeued_errors(redis, run_id)
+    assert [(e["index"], e["reason"]) for e in requeued] == [
+        (job.args[1], "worker gone died while extracting it; queued again")
+    ]
     assert events.count(run_id, "extraction_complete") == 1
 
 
