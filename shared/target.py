@@ -11,6 +11,7 @@ converted once to a safetensors model directory (the layout every engine reads) 
 import fcntl
 import json
 import logging
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,15 +99,17 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     with open(target.parent / f".{bundled.directory}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # several processes may start at once; one converts
         if not (target / "config.json").is_file():
-            _convert(bundled, Path(cache_dir), target)
+            convert_gguf(model, bundled.gguf(Path(cache_dir)), target)
     return target
 
 
-def _convert(bundled: BundledModel, cache_dir: Path, target: Path) -> None:
+def convert_gguf(model: str, gguf: Path, target: Path, dtype: str = "float32") -> None:
+    """The bundled ``model``'s GGUF file ``gguf`` as a model directory ``target`` (written aside, then renamed into
+    place), its weights de-quantized to ``dtype``: what every eaglet process loads the bundled model from."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = bundled.gguf(cache_dir)
+    bundled = BUNDLED[model]
     log.info("converting the bundled %s from %s to %s (once)", bundled.directory, gguf, target)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tok.eos_token = bundled.end_of_turn
@@ -120,13 +123,16 @@ def _convert(bundled: BundledModel, cache_dir: Path, target: Path) -> None:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.config.eos_token_id = tok.eos_token_id
+    converted = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    converted.load_state_dict(loaded.state_dict())
+    converted.generation_config.eos_token_id = tok.eos_token_id
+    converted.generation_config.pad_token_id = tok.pad_token_id
+    converted.config.eos_token_id = tok.eos_token_id
+    converted = converted.to(getattr(torch, dtype))
+    converted.config.dtype = dtype
     tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)  # a conversion killed midway
+    converted.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(target)
 

@@ -26,6 +26,7 @@ Every process gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM
 """
 
 import ctypes
+import functools
 import json
 import os
 import random
@@ -87,6 +88,8 @@ CASES: dict[str, dict] = {
     "kimi-tp1": {"family": "kimi", "tp": 1, "same_as": "deepseek-tp1"},
     "gptoss-tp1": {"family": "gptoss", "tp": 1},
     "gemma3-tp1": {"family": "gemma3", "tp": 1, "transformers": True},
+    # real weights: Gemma 3 270M, the second bundled model, from the GGUF of bench/gpu/stage-gemma3.sh
+    "gemma3real-tp1": {"family": "gemma3", "tp": 1, "transformers": True, "bundled": "gemma3"},
     "llama-tp2": {"family": "llama", "tp": 2, "vs": "llama-tp1"},
     "deepseek-tp2": {"family": "deepseek", "tp": 2, "vs": "deepseek-tp1"},
     "deepseek-tp2-dpa2": {
@@ -288,10 +291,28 @@ def earlier_states(H, case: str) -> dict | None:
 # --- one case ------------------------------------------------------------------------------------------
 
 
-def ensure_model(H, family: str) -> Path:
-    d = H.ROOT / "models" / f"fam-{family}"
-    familymodels.make_model(family, d, H.S / "tokenizer")
+def ensure_model(H, case: str) -> Path:
+    """The case's target: a bundled model's real weights (converted from its staged GGUF), else its family's tiny
+    random model, built with SmolLM2's tokenizer."""
+    spec = CASES[case]
+    if "bundled" in spec:
+        d = H.ROOT / "models" / spec["bundled"]
+        familymodels.bundled_model(spec["bundled"], H.S / spec["bundled"] / "model.gguf", d)
+        return d
+    d = H.ROOT / "models" / f"fam-{spec['family']}"
+    familymodels.make_model(spec["family"], d, H.S / "tokenizer")
     return d
+
+
+def case_prompts(H, case: str) -> dict[str, list[int]]:
+    """``prompt_set`` in the case's tokenizer: the tiny models share SmolLM2's, a real target has its own."""
+    tokenizer = ensure_model(H, case) if "bundled" in CASES[case] else H.S / "tokenizer"
+    return _prompts_with(str(tokenizer))
+
+
+@functools.cache
+def _prompts_with(tokenizer: str) -> dict[str, list[int]]:
+    return prompt_set(Path(tokenizer))
 
 
 def continued(port: int, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -321,7 +342,7 @@ def run_case(H, case: str, prompts: dict[str, list[int]], port: int = 0) -> None
     R = RESULTS["cases"].setdefault(case, {})
     R.update({"family": spec["family"], "architecture": familymodels.ARCHITECTURES[spec["family"]], "tp": spec["tp"]})
     t_case = time.time()
-    model = ensure_model(H, spec["family"])
+    model = ensure_model(H, case)
     info = json.loads((model / "family.json").read_text())
     R["model"] = info
     name = f"fam-{case}"
@@ -456,13 +477,13 @@ def run_one(H, case: str, prompts: dict[str, list[int]], port: int = 0) -> int:
         return 1
 
 
-def run_together(H, cases: list[str], prompts: dict[str, list[int]], out: Path, state: Path) -> int:
+def run_together(H, cases: list[str], out: Path, state: Path) -> int:
     """TP 1 cases PARALLEL at once, each on a port of its own."""
     for case in cases:
         RESULTS["cases"].setdefault(case, {"tp": 1})["architecture"] = familymodels.ARCHITECTURES[CASES[case]["family"]]
     # the models built and what the threads import, imported here: transformers' lazy imports are not safe to race
-    for family in dict.fromkeys(CASES[c]["family"] for c in cases):
-        ensure_model(H, family)
+    for case in cases:
+        case_prompts(H, case)  # the model too
     import safetensors.torch  # noqa: F401  (stored_states)
     from transformers import AutoModelForCausalLM  # noqa: F401  (familymodels.transformers_states)
 
@@ -471,7 +492,7 @@ def run_together(H, cases: list[str], prompts: dict[str, list[int]], out: Path, 
 
     ports = {case: H.SGL_PORT + 40 + i for i, case in enumerate(cases)}
     with ThreadPoolExecutor(PARALLEL) as ex:
-        failed = sum(ex.map(lambda c: run_one(H, c, prompts, ports[c]), cases))
+        failed = sum(ex.map(lambda c: run_one(H, c, case_prompts(H, c), ports[c]), cases))
     write_outputs(out)
     state.write_text(json.dumps(RESULTS, default=str))
     return int(failed > 0)
@@ -487,7 +508,8 @@ def main(argv: list[str]) -> int:
     if dry:
         root = Path("/root")  # the helper module's default root on the GPU machine
         for case in wanted:
-            model = root / "models" / f"fam-{CASES[case]['family']}"
+            spec = CASES[case]
+            model = root / "models" / (spec["bundled"] if "bundled" in spec else f"fam-{spec['family']}")
             env = " ".join(f"{k}={v}" for k, v in NO_MULTICAST.items())
             print(
                 f"# {case}\n{env} EAGLET_DUMP_DIR=/dev/shm/eaglet-dumps python "
@@ -508,15 +530,14 @@ def main(argv: list[str]) -> int:
     RESULTS.update({"gpus": gpus, "samples": N_SAMPLES, "workers": N_WORKERS, "chunked_prefill_size": CHUNK})
     RESULTS["flags"] = " ".join(BASE_FLAGS) + " (TP 2: " + " ".join(TP2_FLAGS) + ")"
     RESULTS["env"] = NO_MULTICAST
-    prompts = prompt_set(H.S / "tokenizer")  # the tokenizer every tiny model was built with
-    lens = [len(ids) for ids in prompts.values()]
+    lens = [len(ids) for ids in _prompts_with(str(H.S / "tokenizer")).values()]  # the tiny models' set
     RESULTS["lengths"] = {"min": min(lens), "max": max(lens), "split_by_chunking": sum(n > CHUNK for n in lens)}
     rc = 0
     H.redis_up()
     try:
         together = [c for c in wanted if CASES[c]["tp"] == 1] if PARALLEL > 1 else []
         if together:
-            rc |= run_together(H, together, prompts, out, state)
+            rc |= run_together(H, together, out, state)
         for i, case in enumerate(c for c in wanted if c not in together):
             R = RESULTS["cases"].setdefault(case, {"tp": CASES[case]["tp"]})
             R["architecture"] = familymodels.ARCHITECTURES[CASES[case]["family"]]
@@ -528,7 +549,7 @@ def main(argv: list[str]) -> int:
             if "skipped" in R:
                 log(f"{case}: {R['skipped']}")
                 continue
-            rc |= run_one(H, case, prompts)
+            rc |= run_one(H, case, case_prompts(H, case))
             write_outputs(out)
             state.write_text(json.dumps(RESULTS, default=str))
     finally:

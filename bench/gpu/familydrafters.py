@@ -243,8 +243,8 @@ def main(argv: list[str]) -> int:
     extracted = json.loads(state.read_text()).get("cases", {}) if state.exists() else {}
     results: dict = {"steps": STEPS, "prompts": N_PROMPTS, "tokens": N_TOKENS, "chain": str(CHAIN), "cases": {}}
     H.redis_up()
-    # held-out demo prompts in the chat template (families.py's samples are the training ones)
-    prompts = list(families.familymodels.chat_prompts(H.S / "tokenizer", EVAL_PROMPTS, N_PROMPTS).values())
+    # held-out demo prompts in the chat template of each case's tokenizer (families.py's samples are the training ones)
+    prompts: dict[str, list[list[int]]] = {}
 
     jobs = []
     for case in wanted:
@@ -254,7 +254,9 @@ def main(argv: list[str]) -> int:
         if ex.get("status") != "ok" or not ex.get("run_id"):
             R["skipped"] = f"skipped: no extraction of {case} on this machine (run families.py {case} first)"
             continue
-        model = families.ensure_model(H, families.CASES[case]["family"])
+        model = families.ensure_model(H, case)
+        tokenizer = model if "bundled" in families.CASES[case] else H.S / "tokenizer"
+        prompts[case] = list(families.familymodels.chat_prompts(tokenizer, EVAL_PROMPTS, N_PROMPTS).values())
         folder = H.ROOT / "fam-drafters" / case
         R.update(run_id=ex["run_id"], model_dir=str(model), drafter_dir=str(folder / "drafter"))
         trainer = [sys.executable, "bench/gpu/ablate.py", "--run", ex["run_id"], "--out", str(folder), "--model",
@@ -284,7 +286,7 @@ def main(argv: list[str]) -> int:
         with lock:
             port = ports.pop()
         try:
-            decode_case(H, HH, case, R, prompts, port)
+            decode_case(H, HH, case, R, prompts[case], port)
         finally:
             with lock:
                 ports.append(port)

@@ -280,6 +280,32 @@ def make_model(family: str, out: Path, tokenizer_dir: Path | None = None, seed: 
     return info
 
 
+def bundled_model(model: str, gguf: Path, out: Path) -> dict:
+    """A real target: eaglet's bundled ``model`` (shared/target.py: smollm2, gemma3) converted from its GGUF file
+    ``gguf`` to ``out`` in bf16, as eaglet converts it for itself; returns what it made (as ``make_model``)."""
+    from eaglet.shared.layers import default_layer_ids
+    from eaglet.shared.target import convert_gguf, text_config
+
+    out = Path(out)
+    if not (out / "config.json").exists():
+        convert_gguf(model, Path(gguf), out, dtype="bfloat16")
+    if not (out / "family.json").exists():
+        text = text_config(out)
+        family = {"gemma3": "gemma3", "smollm2": "llama"}[model]
+        info = {
+            "family": family,
+            "architecture": ARCHITECTURES[family],
+            "bundled": model,
+            "hidden_size": text["hidden_size"],
+            "num_layers": text["num_hidden_layers"],
+            "vocab_size": text["vocab_size"],
+            "aux_layer_ids": default_layer_ids(text["num_hidden_layers"]),
+            "gguf": str(gguf),
+        }
+        (out / "family.json").write_text(json.dumps(info, indent=1))
+    return json.loads((out / "family.json").read_text())
+
+
 # Keys the released checkpoints carry and SGLang 0.5.17 reads, which the transformers config classes there
 # neither write nor default: the rope in its older spelling, DeepSeek's MoE layer stride, GPT-OSS's clamp.
 ENGINE_KEYS = {"deepseek": {"moe_layer_freq": 1}, "kimi": {"moe_layer_freq": 1}, "gptoss": {"swiglu_limit": 7.0}}

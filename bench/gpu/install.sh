@@ -7,10 +7,11 @@
 #   p3   SpecForge 0.2.0 -> /root/stage/sfsite (its own folder: eaglet's runs never see it); the HumanEval
 #        prompts -> /root/stage/humaneval (bench/gpu/stage-specforge.sh)
 #   m1 m2 m3   parts of the SmolLM2 GGUF -> /root/stage/gguf (joined and checked once all three are there)
+#   g1..g5     parts of the Gemma 3 270M GGUF -> /root/stage/gemma3 (bench/gpu/stage-gemma3.sh; joined the same way)
 # A part already installed while the machine stays up is skipped. Prints what it did.
 set -euo pipefail
 S=/root/stage
-mkdir -p $S/site $S/esite $S/plugin_site $S/gguf
+mkdir -p $S/site $S/esite $S/plugin_site $S/gguf $S/gemma3
 PIPI="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
 for PART in "$@"; do
   name=$(basename "$PART")
@@ -30,6 +31,7 @@ for PART in "$@"; do
       mkdir -p $S/humaneval; cp "$PART/HumanEval.jsonl.gz" $S/humaneval/
       ;;
     m1|m2|m3) cp "$PART"/* $S/gguf/ ;;
+    g1|g2|g3|g4|g5) cp "$PART"/* $S/gemma3/ ;;
     *) echo "unknown part $name"; exit 2 ;;
   esac
   touch "$S/$name.done"
@@ -51,4 +53,11 @@ if [ -f $S/gguf/gguf.part0 ] && [ -f $S/gguf/gguf.part1 ] && [ -f $S/gguf/gguf.p
   cat $S/gguf/gguf.part0 $S/gguf/gguf.part1 $S/gguf/gguf.part2 > $S/gguf/model.gguf
   [ "$(sha256sum $S/gguf/model.gguf | cut -d' ' -f1)" = "$(cat $S/gguf/gguf.sha256)" ] && echo "gguf joined, checksum ok" \
     || { echo "gguf checksum mismatch"; rm -f $S/gguf/model.gguf; }
+fi
+G=$S/gemma3
+if [ -f $G/gguf.sha256 ] && ls $G/gguf.part1 $G/gguf.part2 $G/gguf.part3 $G/gguf.part4 $G/gguf.part5 >/dev/null 2>&1 \
+    && [ ! -f $G/model.gguf ]; then
+  cat $G/gguf.part1 $G/gguf.part2 $G/gguf.part3 $G/gguf.part4 $G/gguf.part5 > $G/model.gguf
+  [ "$(sha256sum $G/model.gguf | cut -d' ' -f1)" = "$(cat $G/gguf.sha256)" ] && echo "gemma3 gguf joined, checksum ok" \
+    || { echo "gemma3 gguf checksum mismatch"; rm -f $G/model.gguf; }
 fi

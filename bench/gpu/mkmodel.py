@@ -2,7 +2,7 @@
 
     python bench/gpu/mkmodel.py smol OUT TOKENIZER_DIR     SmolLM2-135M's shape, random bf16 weights
     python bench/gpu/mkmodel.py 8b OUT TOKENIZER_DIR       Llama-3-8B's shape, random bf16 weights
-    python bench/gpu/mkmodel.py gguf OUT GGUF_FILE         the bundled SmolLM2-135M-Instruct, from its GGUF
+    python bench/gpu/mkmodel.py gguf OUT GGUF_FILE [MODEL] a bundled model (smollm2, gemma3), from its GGUF
 
 Random weights are drawn on the GPU (normal, std 0.02; norms 1) and written straight to safetensors:
 an 8B model takes seconds, not the minutes of a Hugging Face init on the CPU.
@@ -103,28 +103,14 @@ def random_llama(shape: str, out: str, tokenizer_dir: str) -> None:
     print(f"{shape}: {sum(v.numel() for v in t.values()) / 1e6:.1f} M params -> {out}", flush=True)
 
 
-def from_gguf(out: str, gguf_file: str) -> None:
-    """The bundled model's conversion (shared/target.py), from a GGUF file given by path."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def from_gguf(out: str, gguf_file: str, model: str = "smollm2") -> None:
+    """The bundled model's conversion (shared/target.py), from a GGUF file given by path, in bf16 for SGLang."""
+    from pathlib import Path
 
-    src, name = os.path.dirname(gguf_file), os.path.basename(gguf_file)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    tok.eos_token = "<|im_end|>"
-    tok.pad_token = "<|im_end|>"
-    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.config.eos_token_id = tok.eos_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model = model.to(torch.bfloat16)
-    model.config.torch_dtype = "bfloat16"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    print(f"gguf: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params -> {out}", flush=True)
+    from eaglet.shared.target import convert_gguf
+
+    convert_gguf(model, Path(gguf_file), Path(out), dtype="bfloat16")
+    print(f"gguf: {gguf_file} -> {out}", flush=True)
 
 
 if __name__ == "__main__":
@@ -133,7 +119,7 @@ if __name__ == "__main__":
     if os.path.exists(os.path.join(out, "config.json")):
         print(f"{out} exists")
     elif kind == "gguf":
-        from_gguf(out, src)
+        from_gguf(out, src, *sys.argv[4:5])
     else:
         random_llama(kind, out, src)
     print(f"model ready in {time.time() - t0:.1f}s", flush=True)
