@@ -67,11 +67,11 @@ def trainer_config(flags: str) -> TrainConfig:
     return config_from_args(TrainConfig, parser.parse_args(shlex.split(flags)))
 
 
-def host_batch(T: int, cfg: TrainConfig, documents: list[int] | None = None) -> dict:
-    """The host side of one packed row of T tokens (``documents``: their lengths, one document by default), every
-    position a loss position (the loss rows: real tensors, small)."""
+def host_batch(T: int, cfg: TrainConfig, documents: list[int] | None = None, loss_share: float = 1.0) -> dict:
+    """The host side of one packed row of T tokens (``documents``: their lengths, one document by default), the last
+    ``loss_share`` of its positions loss positions, every one by default (the loss rows: real tensors, small)."""
     lengths = torch.tensor(documents or [T])
-    mask = torch.ones(1, T, dtype=torch.bool)
+    mask = torch.arange(T)[None] >= round(T * (1 - loss_share))
     ids = torch.arange(len(lengths), dtype=torch.int32).repeat_interleave(lengths)[None]
     rows, counts = data.ttt_rows(mask, ids, cfg.ttt_steps)
     positions = torch.arange(T) - (torch.cumsum(lengths, 0) - lengths).repeat_interleave(lengths)
@@ -111,11 +111,12 @@ def step(objective: TTTObjective, opt: torch.optim.Optimizer, inputs: list, cfg:
     return loss.detach()
 
 
-def account(text: dict, T: int, cfg: TrainConfig) -> MemoryTracker:
+def account(text: dict, T: int, cfg: TrainConfig, loss_share: float = 1.0) -> MemoryTracker:
     """The tracker after the second of two training steps (the first makes the gradients and the optimizer's
-    state, which a long run's steps all hold) at the target shape ``text`` on one row of T tokens."""
+    state, which a long run's steps all hold) at the target shape ``text`` on one row of T tokens, the last
+    ``loss_share`` of them loss positions."""
     tracker = MemoryTracker()
-    host = host_batch(T, cfg)
+    host = host_batch(T, cfg, loss_share=loss_share)
     real_call = CausalAttention.__call__
     CausalAttention.__call__ = fused
     try:

@@ -34,3 +34,13 @@ def test_memory_grows_linearly_and_nothing_is_t_by_t_or_t_by_v(shape, flags):
         peaks.append(peak)
     growth = (peaks[2] - peaks[1]) / (peaks[1] - peaks[0])
     assert growth == pytest.approx(2, rel=0.1), peaks  # linear in T: twice the length, twice the increase
+
+
+@pytest.mark.parametrize("shape", ["kimi", "smol"])
+def test_the_rule_holds_a_row_longer_than_a_loss_chunk_whose_steps_loss_rows_fit_one(shape):
+    # 8,192 tokens with the loss on the second half (4,096 rows a step, one chunk): on one H200 the step kept every
+    # TTT step's log-probabilities and peaked 3.6 to 4.6 GiB above the rule (2026-12-04), until such a row's
+    # chunk was recomputed as the rule assumes
+    cfg, text = trainmem.trainer_config(""), TEXT[shape]
+    peak = trainmem.account(text, 8192, cfg, loss_share=0.5).peak / 2**30
+    assert peak <= estimate(rule_shape(text, cfg), 8192, cfg).total_gib
