@@ -84,14 +84,16 @@ TOP_LOGIT = 10.0  # the target's logit of the next token in the synthetic final 
 ROOT = P.ROOT / "trainspeed"
 TARGETS, DATA = ROOT / "targets", ROOT / "data"
 
-# Row time estimates (the deadline): write bandwidth with fsync of the machine's disk (speed8b's probe, 2026-11:
-# 1.29-1.43 GB/s), the trainer's start (a few seconds, plus the target's embedding and LM head read and moved to
-# the GPU), FlexAttention's compile the first time a head size comes up, and the checkpoint finish() writes
-# (fp32 weights and AdamW's two moments in torch.save, the bf16 drafter: 14 bytes a parameter).
-DISK_BYTES_PER_S = 1.3e9
+# Row time estimates (the deadline): the samples and the checkpoint finish() writes (fp32 weights and AdamW's two
+# moments in torch.save, the bf16 drafter: 14 bytes a parameter) at the rate the rows wrote them on one H200
+# (2026-12-04: about 0.65 GB/s, half the disk's fsync probe of 1.29-1.43 GB/s), the trainer's start (a few seconds,
+# plus the target's embedding and LM head read and moved to the GPU), FlexAttention's compile the first time a head
+# size comes up (about 20 s there), and a row's first step, which costs about FIRST_STEP more steps.
+DISK_BYTES_PER_S = 0.65e9
 START_S = 10.0
 TARGET_LOAD_BYTES_PER_S = 2e9
-COMPILE_S = 60.0
+COMPILE_S = 25.0
+FIRST_STEP = 3
 STEP_COMPILE_S = 60.0  # --compile on: the TTT step's and the loss chunk's graphs, forward and backward (a guess)
 CHECKPOINT_BYTES_PER_PARAM = 14
 RECOMPUTE = 1 / 3  # a checkpointed TTT step's forward again in the backward pass: a third more of its compute
@@ -320,7 +322,7 @@ def estimate_s(name: str, T: int, cfg: TrainConfig) -> float:
     compile_s += STEP_COMPILE_S if compiled and name not in COMPILED_STEPS else 0
     rate = shape.tokens_per_s / (1 + RECOMPUTE * min(cfg.checkpoint_steps, cfg.ttt_steps) / cfg.ttt_steps)
     return (START_S + target_bytes / TARGET_LOAD_BYTES_PER_S + write / DISK_BYTES_PER_S + compile_s
-            + STEPS * T / rate)  # fmt: skip
+            + (STEPS + FIRST_STEP) * T / rate)  # fmt: skip
 
 
 def measure(name: str, T: int, cfg: TrainConfig, env: trainer.Dist) -> dict:
