@@ -34,5 +34,6 @@ def save_result(name: str, command: str, figures: dict, load_before: list[float]
     out = RESULTS / f"cpu-{name}.json"
     doc = {"name": name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine(),
            "load_before": load_before, "load_after": load(), "figures": figures}  # fmt: skip
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    # paths inside the checkout (a drafter folder, a traceback's files) as the repo's own: no machine's folders
+    out.write_text(json.dumps(doc, indent=2).replace(f"{ROOT}/", "") + "\n")
     return out
