@@ -297,17 +297,21 @@ def ensure_model(H, case: str) -> Path:
     spec = CASES[case]
     if "bundled" in spec:
         d = H.ROOT / "models" / spec["bundled"]
-        familymodels.bundled_model(spec["bundled"], H.S / spec["bundled"] / "model.gguf", d)
+        familymodels.bundled_model(spec["bundled"], spec["family"], H.S / spec["bundled"] / "model.gguf", d)
         return d
     d = H.ROOT / "models" / f"fam-{spec['family']}"
     familymodels.make_model(spec["family"], d, H.S / "tokenizer")
     return d
 
 
+def case_tokenizer(H, case: str) -> Path:
+    """The tiny models share SmolLM2's tokenizer; a real target has its own."""
+    return ensure_model(H, case) if "bundled" in CASES[case] else H.S / "tokenizer"
+
+
 def case_prompts(H, case: str) -> dict[str, list[int]]:
-    """``prompt_set`` in the case's tokenizer: the tiny models share SmolLM2's, a real target has its own."""
-    tokenizer = ensure_model(H, case) if "bundled" in CASES[case] else H.S / "tokenizer"
-    return _prompts_with(str(tokenizer))
+    """``prompt_set`` in the case's tokenizer."""
+    return _prompts_with(str(case_tokenizer(H, case)))
 
 
 @functools.cache

@@ -255,7 +255,7 @@ def main(argv: list[str]) -> int:
             R["skipped"] = f"skipped: no extraction of {case} on this machine (run families.py {case} first)"
             continue
         model = families.ensure_model(H, case)
-        tokenizer = model if "bundled" in families.CASES[case] else H.S / "tokenizer"
+        tokenizer = families.case_tokenizer(H, case)
         prompts[case] = list(families.familymodels.chat_prompts(tokenizer, EVAL_PROMPTS, N_PROMPTS).values())
         folder = H.ROOT / "fam-drafters" / case
         R.update(run_id=ex["run_id"], model_dir=str(model), drafter_dir=str(folder / "drafter"))

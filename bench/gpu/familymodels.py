@@ -280,9 +280,10 @@ def make_model(family: str, out: Path, tokenizer_dir: Path | None = None, seed: 
     return info
 
 
-def bundled_model(model: str, gguf: Path, out: Path) -> dict:
-    """A real target: eaglet's bundled ``model`` (shared/target.py: smollm2, gemma3) converted from its GGUF file
-    ``gguf`` to ``out`` in bf16, as eaglet converts it for itself; returns what it made (as ``make_model``)."""
+def bundled_model(model: str, family: str, gguf: Path, out: Path) -> dict:
+    """A real target of ``family``: eaglet's bundled ``model`` (shared/target.py: smollm2, gemma3) converted from its
+    GGUF file ``gguf`` to ``out`` in bf16, as eaglet converts it for itself; returns what it made (as
+    ``make_model``)."""
     from eaglet.shared.layers import default_layer_ids
     from eaglet.shared.target import convert_gguf, text_config
 
@@ -291,7 +292,6 @@ def bundled_model(model: str, gguf: Path, out: Path) -> dict:
         convert_gguf(model, Path(gguf), out, dtype="bfloat16")
     if not (out / "family.json").exists():
         text = text_config(out)
-        family = {"gemma3": "gemma3", "smollm2": "llama"}[model]
         info = {
             "family": family,
             "architecture": ARCHITECTURES[family],

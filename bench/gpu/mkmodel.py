@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -105,8 +106,6 @@ def random_llama(shape: str, out: str, tokenizer_dir: str) -> None:
 
 def from_gguf(out: str, gguf_file: str, model: str = "smollm2") -> None:
     """The bundled model's conversion (shared/target.py), from a GGUF file given by path, in bf16 for SGLang."""
-    from pathlib import Path
-
     from eaglet.shared.target import convert_gguf
 
     convert_gguf(model, Path(gguf_file), Path(out), dtype="bfloat16")

@@ -68,10 +68,16 @@ from eaglet.shared.samples import SampleWriter
 from eaglet.shared.store import run_dir, sample_path, samples_dir, write_sample
 from eaglet.shared.targettensors import load_target_tensors
 
+
+def lengths_from(env: str, default: str) -> list[int]:
+    """Sample lengths from ``env``, comma-separated, else ``default``."""
+    return sorted(int(x) for x in (os.environ.get(env) or default).split(","))
+
+
 WARMUP_STEPS = 2
 STEPS = int(os.environ.get("TRAINSPEED_STEPS", "6"))
 SHAPE_NAMES = os.environ.get("TRAINSPEED_SHAPES", "kimi,l8b,smol").split(",")
-LENGTHS = sorted(int(x) for x in os.environ.get("TRAINSPEED_LENGTHS", "2048,8192,16384,32768,65536").split(","))
+LENGTHS = lengths_from("TRAINSPEED_LENGTHS", "2048,8192,16384,32768,65536")
 COMPILE_ROWS = [(name, int(T)) for name, T in (row.split(":") for row in
                 os.environ.get("TRAINSPEED_COMPILE_ROWS", "smol:2048,smol:8192,l8b:8192").split(","))]  # fmt: skip
 REPEATS = int(os.environ.get("TRAINSPEED_REPEATS", "3"))
@@ -386,7 +392,7 @@ def speed(marks: list[tuple[float, int]], start: float, f: dict) -> dict:
 
 def run_phase(phase: str, flags_env: str, lengths_env: str = "TRAINSPEED_LENGTHS") -> None:
     flags = os.environ.get(flags_env, "")
-    lengths = sorted(int(x) for x in os.environ[lengths_env].split(",")) if os.environ.get(lengths_env) else LENGTHS
+    lengths = lengths_from(lengths_env, ",".join(map(str, LENGTHS)))
     cfg = trainer_config(flags)
     if STEPS <= WARMUP_STEPS:
         raise ValueError(f"TRAINSPEED_STEPS ({STEPS}) must be more than the {WARMUP_STEPS} warm-up steps")

@@ -158,13 +158,14 @@ class Reaper:
             if self.rq_redis.zrem(registry.key, entry):
                 job.delete()
             return "stale"
-        owner = owner_of(running_worker(execution, job))
+        worker = running_worker(execution, job)
+        owner = owner_of(worker)
         # A Redis outage ends this process's RQ worker mid-job and the next burst runs under a new name: the job
         # it held would look alive (same instance) until RQ's job timeout, and hold the run open that long.
         ended_here = (
             owner is not None
             and owner[1] == self.instance
-            and running_worker(execution, job) != self.current_rq_worker()
+            and worker != self.current_rq_worker()
             and now - started > self.lost_after_s
         )
         if owner is None or (
