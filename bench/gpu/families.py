@@ -88,8 +88,10 @@ CASES: dict[str, dict] = {
     "kimi-tp1": {"family": "kimi", "tp": 1, "same_as": "deepseek-tp1"},
     "gptoss-tp1": {"family": "gptoss", "tp": 1},
     "gemma3-tp1": {"family": "gemma3", "tp": 1, "transformers": True},
-    # real weights: Gemma 3 270M, the second bundled model, from the GGUF of bench/gpu/stage-gemma3.sh
-    "gemma3real-tp1": {"family": "gemma3", "tp": 1, "transformers": True, "bundled": "gemma3"},
+    # real weights, converted from a staged GGUF ("stage": its folder there): SmolLM2-135M-Instruct, the bundled
+    # model (stage.sh's m1..m3), and Gemma 3 270M, the second bundled model (stage-gemma3.sh)
+    "smollm2real-tp1": {"family": "llama", "tp": 1, "transformers": True, "bundled": "smollm2", "stage": "gguf"},
+    "gemma3real-tp1": {"family": "gemma3", "tp": 1, "transformers": True, "bundled": "gemma3", "stage": "gemma3"},
     "llama-tp2": {"family": "llama", "tp": 2, "vs": "llama-tp1"},
     "deepseek-tp2": {"family": "deepseek", "tp": 2, "vs": "deepseek-tp1"},
     "deepseek-tp2-dpa2": {
@@ -297,7 +299,7 @@ def ensure_model(H, case: str) -> Path:
     spec = CASES[case]
     if "bundled" in spec:
         d = H.ROOT / "models" / spec["bundled"]
-        familymodels.bundled_model(spec["bundled"], spec["family"], H.S / spec["bundled"] / "model.gguf", d)
+        familymodels.bundled_model(spec["bundled"], spec["family"], H.S / spec["stage"] / "model.gguf", d)
         return d
     d = H.ROOT / "models" / f"fam-{spec['family']}"
     familymodels.make_model(spec["family"], d, H.S / "tokenizer")
