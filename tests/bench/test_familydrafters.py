@@ -52,7 +52,8 @@ def test_a_server_that_did_not_come_up_fails_with_its_error():
 
 def test_every_tp1_family_is_a_case_and_the_table_names_each():
     assert familydrafters.tp1_cases() == ["llama-tp1", "qwen3-tp1", "deepseek-tp1", "qwen3moe-tp1", "kimi-tp1",
-                                          "gptoss-tp1", "gemma3-tp1", "gemma3real-tp1"]  # fmt: skip
+                                          "gptoss-tp1", "gemma3-tp1", "smollm2real-tp1",
+                                          "gemma3real-tp1"]  # fmt: skip
     results = {"steps": 300, "prompts": 32, "tokens": 64, "cases": {
         "llama-tp1": {"architecture": "LlamaForCausalLM", "status": "ok", "drafted": decoded(1.9, same=31, at_tie=1),
                       "train": {"probe": {"final": {"heldout_acc": [0.8, 0.5]}}}},
