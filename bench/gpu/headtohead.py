@@ -793,7 +793,8 @@ def phase_extract_fp8() -> None:
 
 
 LAYOUTS = os.environ.get("H2H_LAYOUTS", "loss=loss:0:full;fp4=all:0:fp4;top32-fp4=topk:32:fp4;top24-fp4=topk:24:fp4")
-LAYOUT_RECIPE = "layout-"  # a recipe named layout-<name> trains on the run of layout <name> (phase h2h-layouts)
+LAYOUT_RECIPE = "layout-"  # a recipe named layout-<name>[.<variant>] trains on the run of layout <name> (phase
+# h2h-layouts): variants of one layout (other trainer flags, say --topk-tail uniform) share its stored run
 
 
 def phase_layouts() -> None:
@@ -841,7 +842,8 @@ def recipe_run(name: str) -> tuple[str | None, str | None]:
         R = P.RESULTS.get("h2h-extract-fp8", {})
         return (R["run_id"], None) if R.get("done") else (None, "no fp8 extraction (phase h2h-extract-fp8)")
     if name.startswith(LAYOUT_RECIPE):
-        run = P.RESULTS.get("h2h-layouts", {}).get("runs", {}).get(name.removeprefix(LAYOUT_RECIPE))
+        layout = name.removeprefix(LAYOUT_RECIPE).partition(".")[0]
+        run = P.RESULTS.get("h2h-layouts", {}).get("runs", {}).get(layout)
         return (run["run_id"], None) if run else (None, f"no run of layout {name} (phase h2h-layouts)")
     R = P.RESULTS.get("h2h-extract", {})
     return (R["run_id"], None) if R.get("done") else (None, "no extraction (phase h2h-extract)")

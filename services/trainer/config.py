@@ -11,6 +11,7 @@ OovMask = Literal["auto", "on", "off"]
 Compile = Literal["auto", "on", "off"]
 Loss = Literal["kl", "lk-alpha", "lk-lambda"]
 LossMaskAlign = Literal["predicted", "position"]
+TopkTail = Literal["bucket", "uniform"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -36,6 +37,10 @@ class TrainConfig:
     predicted and the two after it are (the next turn's first tokens; after a sample's last answer, the target's
     distribution past its last token). The training's held-out figures follow the rule; ``eaglet score`` counts by
     the default one, the same for every drafter it compares."""
+    topk_tail: TopkTail = "bucket"
+    """A run that stored the target's top-k in place of its final state (the trainer's topk.py): what the KL is told
+    of the mass the k entries leave | bucket: only how much of it there is, as one outcome | uniform: that it lies
+    evenly on the draft tokens outside the k, so the drafter cannot heap it on a token of its own choosing."""
     lk_kl_scale: float = 1.0
     """lk-lambda's weight of the KL term at zero acceptance."""
     lk_kl_decay: float = 1.0
@@ -169,7 +174,7 @@ class TrainConfig:
             )
         for name, choices in (
             ("attention", Attention), ("oov_mask", OovMask), ("compile", Compile), ("loss", Loss),
-            ("loss_mask_align", LossMaskAlign), ("optimizer", Optimizer),
+            ("loss_mask_align", LossMaskAlign), ("optimizer", Optimizer), ("topk_tail", TopkTail),
         ):  # fmt: skip
             if getattr(self, name) not in get_args(choices):
                 raise ValueError(

@@ -88,7 +88,7 @@ class TTTObjective(nn.Module):
         rows recomputes exactly this in the backward pass."""
         logq = torch.log_softmax(wide(self.drafter.logits(out.flatten(0, 1)[rows])), -1)  # [n, Vd]
         if len(target) == 2:  # the stored top-k
-            terms = topk_terms(target[0][targets], target[1][targets], logq)
+            terms = topk_terms(target[0][targets], target[1][targets], logq, self.cfg.topk_tail)
         else:
             logits, lse_d, top_d, lse = target
             t = wide(logits[targets])

@@ -15,6 +15,14 @@ told how much mass lies outside the top tokens, not where. The bucketed KL is a 
 mass outside the draft vocabulary too (unknown at extraction, where the draft vocabulary is not yet chosen): an
 upper bound of the draft vocabulary's own tail, small at the k where the top-k holds nearly all the mass.
 
+What the bucket does not say is where the tail lies, and the drafter may put it anywhere: heaped on one token of
+its own, whose probability then tops the k' entries. Where the k entries hold little of the mass (a flat target,
+high-entropy text) the bucketed KL reaches 0 with a drafter whose top token is never the target's (a tiny random
+target's top-32 runs: held-out accuracy 0.00 where the final state's gave 0.45). ``--topk-tail uniform`` says
+instead that the tail lies evenly on the draft tokens outside the k' entries: the KL over the whole draft
+vocabulary against that spread, which holds the drafter's tail flat and its top token on the target's; the bucket
+stays the default until the head-to-head's ablation measures the two (BENCHMARKS.md, section 4b).
+
 The acceptance of the LK losses, sum over the draft vocabulary of min(p, q) with p over the whole vocabulary, is
 exact over the k' entries and takes the bucket's min(p_tail, q_tail) for the rest (an upper bound of the tail's
 share). The top-token check compares the drafter's top token with the target's most likely entry in the draft
@@ -31,10 +39,11 @@ def draft_index(t2d: torch.Tensor) -> torch.Tensor:
     return torch.where(t2d, torch.cumsum(t2d, 0) - 1, -1)
 
 
-def topk_terms(logp: torch.Tensor, idx: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+def topk_terms(logp: torch.Tensor, idx: torch.Tensor, logq: torch.Tensor, tail: str = "bucket") -> torch.Tensor:
     """logp [N, k] (target log-probs over its whole vocabulary, most likely first), idx [N, k] (their draft ids,
     -1 outside the draft vocabulary), logq [N, Vd] (the drafter's log-probs) -> [KL, right top token, expected
-    acceptance, its log] of each of the N positions [4, N], with the tail as one bucket."""
+    acceptance, its log] of each of the N positions [4, N], with the tail as one bucket, or for the KL spread evenly
+    on the draft tokens outside the k entries (``tail`` uniform)."""
     inside = idx >= 0
     p_all = logp.float().exp()  # [N, k]
     p = p_all * inside
@@ -45,7 +54,13 @@ def topk_terms(logp: torch.Tensor, idx: torch.Tensor, logq: torch.Tensor) -> tor
     pn, tn = p / z[:, None], p_tail / z
     log_qk = logq.gather(-1, idx.clamp_min(0))
     kl_k = torch.where(inside & (pn > 0), pn * (pn.clamp_min(_TINY).log() - log_qk), 0.0).sum(-1)
-    kl_tail = torch.where(tn > 0, tn * (tn.clamp_min(_TINY).log() - q_tail.clamp_min(_TINY).log()), 0.0)
+    if tail == "uniform":  # tn / n on each of the n draft tokens outside the k': sum of u (log u - log q_v)
+        n = (logq.shape[-1] - inside.sum(-1)).clamp_min(1)
+        u = tn / n
+        logq_tail = logq.sum(-1) - (log_qk * inside).sum(-1)
+        kl_tail = torch.where(tn > 0, tn * u.clamp_min(_TINY).log() - u * logq_tail, 0.0)
+    else:
+        kl_tail = torch.where(tn > 0, tn * (tn.clamp_min(_TINY).log() - q_tail.clamp_min(_TINY).log()), 0.0)
     kl = kl_k + kl_tail
     # the stored entries fall in probability: the first one inside the draft vocabulary is the target's top there
     first = inside.float().argmax(-1, keepdim=True)

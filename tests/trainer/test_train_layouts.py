@@ -1,6 +1,6 @@
 """Training on the storage layouts: the loss-positions layout gives the very figures of the full one, the top-k loss
-equals the full KL when the top-k holds the whole draft vocabulary and stays below it otherwise, a top-k run and a
-4-bit run learn."""
+equals the full KL when the top-k holds the whole draft vocabulary and stays below it otherwise (its uniform tail: the
+full KL against an even tail, and a top token kept on the target's), a top-k run and a 4-bit run learn."""
 
 import json
 
@@ -57,6 +57,36 @@ def test_topk_loss_moves_the_drafter_toward_the_target_and_puts_the_tail_in_its_
     assert kl.item() < 1e-3
 
 
+def test_the_uniform_tail_is_the_full_kl_against_a_target_whose_tail_is_even():
+    g = torch.Generator().manual_seed(1)
+    Vd, k = 12, 3
+    p = torch.full((2, Vd), 0.4 / (Vd - k))
+    p[:, :k] = torch.tensor([0.3, 0.2, 0.1])  # the top 3 hold 0.6, the rest 0.4 evenly
+    logq = torch.log_softmax(torch.randn(2, Vd, generator=g), -1)
+    values, ids = p.log().topk(k, -1)
+    kl = topk_terms(values, ids, logq, "uniform")[0].sum()
+    assert float(kl) == pytest.approx(full_kl(p.log(), logq), rel=1e-4)
+    assert float(topk_terms(values, ids, logq, "bucket")[0].sum()) < float(kl)  # the bucket: a lower bound
+
+
+def test_a_flat_target_lets_the_bucket_heap_the_tail_on_one_token_and_the_uniform_tail_does_not():
+    # the top 4 of 200 hold 0.2 of the mass (a high-entropy position); the drafter starts favouring token 100
+    logp = torch.log(torch.tensor([[0.08, 0.05, 0.04, 0.03]]))
+    idx = torch.tensor([[0, 1, 2, 3]])
+    start = torch.zeros(1, 200)
+    start[0, 100] = 6.0
+    for tail, top in (("bucket", 100), ("uniform", 0)):
+        logits = start.clone().requires_grad_(True)
+        opt = torch.optim.SGD([logits], lr=1.0)
+        for _ in range(300):
+            kl = topk_terms(logp, idx, torch.log_softmax(logits, -1), tail)[0].sum()
+            opt.zero_grad()
+            kl.backward()
+            opt.step()
+        assert int(logits.argmax()) == top, tail
+        assert topk_terms(logp, idx, torch.log_softmax(logits, -1), tail)[1].item() == float(top == 0)
+
+
 def losses_of(data_dir, run_id) -> list[float]:
     rows = (checkpoints_dir(data_dir, run_id) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x)["loss"] for x in rows]
@@ -80,11 +110,15 @@ def test_the_loss_positions_layout_trains_exactly_as_the_full_one(redis, tmp_pat
     assert figures[0]["heldout_loss"] == figures[1]["heldout_loss"]
 
 
-@pytest.mark.parametrize("layout", [Layout(final="topk", topk=16), Layout(aux="fp4")], ids=lambda x: x.name)
-def test_a_run_of_each_narrow_layout_learns(redis, tmp_path, tiny_model_dir, layout):
+@pytest.mark.parametrize(
+    ("layout", "tail"),
+    [(Layout(final="topk", topk=16), "bucket"), (Layout(final="topk", topk=16), "uniform"), (Layout(aux="fp4"), "")],
+    ids=["topk16", "topk16-uniform-tail", "fp4"],
+)
+def test_a_run_of_each_narrow_layout_learns(redis, tmp_path, tiny_model_dir, layout, tail):
     make_run(redis, tmp_path, tiny_model_dir, "narrow", layout=layout)
-    final = train(redis=redis, run_id="narrow", data_dir=tmp_path, target_dir=tiny_model_dir,
-                  cfg=small(epochs=6, heldout_fraction=0.3), env=Dist())  # fmt: skip
+    cfg = small(epochs=6, heldout_fraction=0.3, **({"topk_tail": tail} if tail else {}))
+    final = train(redis=redis, run_id="narrow", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=cfg, env=Dist())
     losses = losses_of(tmp_path, "narrow")
     assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
     assert final["heldout_loss"] is not None
