@@ -38,12 +38,14 @@ LAYOUTS = "bf16=all:0:full,loss=loss:0:full,fp4=all:0:fp4,top32=topk:32:full,top
 SHAPES = {"SmolLM2-135M": 576, "Kimi-K2.5": 7168}
 
 
-def parse_layouts(text: str) -> list[tuple[str, Layout]]:
+def parse_layouts(text: str) -> list[tuple[str, Layout, list[str]]]:
+    """``name=final:k:aux[:trainer flags]``, comma-separated: each layout and the flags its run trains with beside
+    the recipe's (``top24u=topk:24:fp4:--topk-tail uniform``)."""
     out = []
     for item in text.split(","):
-        name, spec = item.split("=")
-        final, k, aux = spec.split(":")
-        out.append((name, Layout(final=final, topk=int(k), aux=aux)))
+        name, spec = item.split("=", 1)
+        final, k, aux, *flags = spec.split(":", 3)
+        out.append((name, Layout(final=final, topk=int(k), aux=aux), flags[0].split() if flags else []))
     return out
 
 
@@ -76,7 +78,8 @@ def summarize(runs: list[dict], reference: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit", type=int, default=300, help="demo conversations extracted (training samples)")
-    p.add_argument("--layouts", default=LAYOUTS, help="name=final:k:aux, comma-separated; the first is the reference")
+    p.add_argument("--layouts", default=LAYOUTS,
+                   help="name=final:k:aux[:trainer flags], comma-separated; the first is the reference")  # fmt: skip
     p.add_argument("--seeds", default="0,1", help="trainer seeds; every seed trains every layout")
     p.add_argument("--eval-prompts", type=int, default=10)
     p.add_argument("--max-steps", type=int, default=0, help="cap the training steps (0: the recipe's epochs)")
@@ -101,16 +104,17 @@ def main() -> int:
         lm_head = load_target_tensors(model_dir, ("lm_head",))["lm_head"]
         figures["bytes_per_token_formula"] = {
             shape: {name: round(bytes_per_token(hidden, layout, "bf16", loss_fraction=figures["loss_fraction"]), 1)
-                    for name, layout in layouts}
+                    for name, layout, _ in layouts}
             for shape, hidden in SHAPES.items()
         }  # fmt: skip
         for seed in seeds:
-            for name, layout in layouts:
+            for name, layout, extra in layouts:
                 run = f"{name}-s{seed}"  # a run of its own: no checkpoint to resume
                 stored = derive_run(redis, data_dir, "src", run, "bf16", args.limit, layout, lm_head)
-                row = {"layout": name, "spec": layout.name, "seed": seed, "stored_bytes": stored,
-                       "bytes_per_token": round(stored / tokens, 1), "load": load()}  # fmt: skip
-                row.update(train_and_eval(run, env, [*flags, "--seed", str(seed)], folder / "logs"))
+                row = {"layout": name, "spec": layout.name, "flags": " ".join(extra), "seed": seed,
+                       "stored_bytes": stored, "bytes_per_token": round(stored / tokens, 1),
+                       "load": load()}  # fmt: skip
+                row.update(train_and_eval(run, env, [*flags, *extra, "--seed", str(seed)], folder / "logs"))
                 train, result = RunState(redis, run).train(), RunState(redis, run).eval()
                 row.update(
                     steps=train.step, heldout_loss=train.heldout_loss, heldout_acc=train.heldout_acc,
