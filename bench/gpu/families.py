@@ -2,7 +2,8 @@
 
     python3 bench/gpu/families.py [--dry-run] [CASE...]   (from the repo root; results in $OUT, default ./gpu-out)
 
-For each case: a tiny random-weight model of the family (bench/gpu/familymodels.py, built on first use), SGLang
+For each case: a tiny random-weight model of the family (bench/gpu/familymodels.py, built before the cases start),
+or a bundled model's real weights converted from its staged GGUF (``smollm2real-tp1``, ``gemma3real-tp1``), SGLang
 0.5.17 started through eaglet's launcher (chunked prefill 64 so prompts split, CUDA graphs and the overlap
 scheduler on, triton attention, pytorch sampling), then 4 of eaglet's extractor workers extract N_SAMPLES (100)
 pre-tokenized samples (``prompt_set``: 6 prompts of random ids the tiny models predict, at lengths around the
@@ -13,7 +14,8 @@ prefill chunk, and 94 demo prompts in the chat template), each followed by the t
   - every stored sample's rows equal its prompt length, widths H and 3H, all values finite;
   - TP 2 stored states against the TP 1 stored states of the same prompts (max abs diff, min cosine per tensor,
     over the tokens both share: two servers' continuations may part at a near-tie);
-  - Llama, Qwen3 and DeepSeek-V3 TP 1 against transformers' own forward on the same GPU: aux = hidden_states[i]
+  - Llama, Qwen3, DeepSeek-V3, Gemma 3 and the real targets, TP 1, against transformers' own forward on the same
+    GPU (one reference per model): aux = hidden_states[i]
     of transformers for SGLang's ids i (the residual entering layer i), final = last hidden state after the norm;
   - Kimi-K2.5 (the same language weights as the DeepSeek-V3 model) against DeepSeek-V3 at the same TP.
 Each server is stopped before the next starts, unless FAMILIES_PARALLEL > 1: then the TP 1 cases start together,
