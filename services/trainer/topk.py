@@ -20,8 +20,9 @@ its own, whose probability then tops the k' entries. Where the k entries hold li
 high-entropy text) the bucketed KL reaches 0 with a drafter whose top token is never the target's (a tiny random
 target's top-32 runs: held-out accuracy 0.00 where the final state's gave 0.45). ``--topk-tail uniform`` says
 instead that the tail lies evenly on the draft tokens outside the k' entries: the KL over the whole draft
-vocabulary against that spread, which holds the drafter's tail flat and its top token on the target's; the bucket
-stays the default until the head-to-head's ablation measures the two (BENCHMARKS.md, section 4b).
+vocabulary against that spread, which holds the drafter's tail flat and its top token on the target's. On SmolLM2
+the bucket accepted slightly more (CPU, one seed, within noise: BENCHMARKS.md section 4b), so it stays the default
+until the head-to-head's ablation measures the two on the GPU.
 
 The acceptance of the LK losses, sum over the draft vocabulary of min(p, q) with p over the whole vocabulary, is
 exact over the k' entries and takes the bucket's min(p_tail, q_tail) for the rest (an upper bound of the tail's
