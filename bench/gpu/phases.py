@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -135,21 +136,39 @@ def wait_health(name: str, port: int, timeout: float) -> float:
 
 # SGLang refuses to start when the memory its weights took looks larger than its fraction, and servers starting at
 # the same moment count each other's loading as their own (seen: "minimum viable 0.107" at 0.1): such a start is
-# tried once more, after the others have loaded
+# tried once more, once no other start is under way (a retry among the others' loads was refused again, 2026-12-04)
 KV_REFUSED = "leave no GPU memory for the KV cache"
+_STARTS = threading.Condition()  # guards _starting: the starts under way through once_more_if_refused
+_starting = 0
+SETTLE_S = 300  # the longest a refused start waits for the others'
+
+
+def _counted(start) -> float:
+    global _starting
+    with _STARTS:
+        _starting += 1
+    try:
+        return start()
+    finally:
+        with _STARTS:
+            _starting -= 1
+            _STARTS.notify_all()
 
 
 def once_more_if_refused(name: str, start, may_retry: bool = True) -> float:
     """``start()``: a server's start beside others on the same GPU, returning its startup s. One that refused the KV
-    cache while the others loaded is stopped and started once more (when ``may_retry``: the call has time for it)."""
+    cache while the others loaded is stopped and, once none of the others is still starting, started once more (when
+    ``may_retry``: the call has time for it)."""
     try:
-        return start()
+        return _counted(start)
     except RuntimeError as e:
         if KV_REFUSED not in str(e) or not may_retry:
             raise
-        log(f"{name}: refused for memory while others started; once more")
+        log(f"{name}: refused for memory while others started; once more when none is starting")
         stop(name)
-        return start()
+        with _STARTS:
+            _STARTS.wait_for(lambda: _starting == 0, timeout=SETTLE_S)
+        return _counted(start)
 
 
 def redis_up() -> None:

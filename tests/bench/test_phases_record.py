@@ -1,8 +1,11 @@
-"""The GPU bench's phase runner keeps one clean record per phase attempt."""
+"""The GPU bench's phase runner keeps one clean record per phase attempt; a server refused for memory while others
+start is tried again once they are up."""
 
 import importlib
 import json
 import sys
+import threading
+import time
 
 import pytest
 
@@ -114,3 +117,31 @@ def test_trainers_cut_off_by_the_deadline_are_stopped_together_and_waited_for(tm
     assert stoppable["rc"] == 143 and stoppable["error"] == "timed out after 2s"
     assert stubborn["rc"] == -9 and stubborn["wall_s"] < 2 + 3 + 5
     assert quick["rc"] == 0 and "error" not in quick
+
+
+def test_a_start_refused_for_memory_is_tried_again_once_the_other_starts_are_done(tmp_path, monkeypatch):
+    P = load_phases(tmp_path, monkeypatch)
+    monkeypatch.setattr(P, "stop", lambda name: None)
+    other_loading, events = threading.Event(), []
+
+    def other():  # a server still loading beside the refused one
+        other_loading.set()
+        time.sleep(0.5)
+        events.append("other up")
+        return 1.0
+
+    attempts = iter([RuntimeError(f"x exited (-9):\nValueError: Loaded weights {P.KV_REFUSED} under 0.1"), 2.0])
+
+    def refused_then_up():
+        got = next(attempts)
+        events.append("start")
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    t = threading.Thread(target=P.once_more_if_refused, args=("other", other))
+    t.start()
+    other_loading.wait()
+    assert P.once_more_if_refused("x", refused_then_up) == 2.0
+    t.join()
+    assert events == ["start", "other up", "start"]
