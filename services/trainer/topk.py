@@ -18,7 +18,7 @@ upper bound of the draft vocabulary's own tail, small at the k where the top-k h
 What the bucket does not say is where the tail lies, and the drafter may put it anywhere: heaped on one token of
 its own, whose probability then tops the k' entries. Where the k entries hold little of the mass (a flat target,
 high-entropy text) the bucketed KL reaches 0 with a drafter whose top token is never the target's (a tiny random
-target's top-32 runs: held-out accuracy 0.00 where the final state's gave 0.45). ``--topk-tail uniform`` says
+target's top-32 run: held-out accuracy 0.01 where the final state's gave 0.54). ``--topk-tail uniform`` says
 instead that the tail lies evenly on the draft tokens outside the k' entries: the KL over the whole draft
 vocabulary against that spread, which holds the drafter's tail flat and its top token on the target's. On SmolLM2
 the bucket accepted slightly more (CPU, one seed, within noise: BENCHMARKS.md section 4b), so it stays the default
