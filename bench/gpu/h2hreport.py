@@ -14,12 +14,15 @@ from pathlib import Path
 DRAFTERS = ("eaglet", "specforge")
 PHASES = ("h2h-data", "h2h-extract", "h2h-eaglet", "h2h-specforge", "h2h-score", "h2h-eval", "h2h-trainspeed")
 ABLATED = "h2h-ablations"
+LAYOUTS = "h2h-layouts"
+DEFAULT_FLAGS = "(default recipe)"  # headtohead.py's flags of a recipe that changes nothing
+LAYOUT_RECIPE = "layout-"  # headtohead.py: recipe layout-<name>[.<variant>] trains on layout <name>'s run
 
 
 def load(out_dir: Path) -> dict:
     """Each phase's results, {} for a phase that wrote none; the recipes compared (``h2h-ablations``) too."""
     results = {}
-    for phase in (*PHASES, ABLATED):
+    for phase in (*PHASES, ABLATED, LAYOUTS):
         p = out_dir / f"{phase}.json"
         try:
             results[phase] = json.loads(p.read_text()) if p.exists() else {}
@@ -50,6 +53,10 @@ def fmt(x, nd: int = 2) -> str:
     if isinstance(x, float):
         return f"{x:,.{nd}f}"
     return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def pct(x) -> str:
+    return "—" if x is None else f"{x:+.1%}"
 
 
 def rates(xs) -> str:
@@ -176,8 +183,10 @@ def summarize(results: dict, repeats: list[dict] = ()) -> dict:
     heldout = {d: {k: scores.get(d, {}).get(k) for k in ("heldout_acc", "heldout_loss", "samples", "tokens")}
                for d in DRAFTERS}  # fmt: skip
     base = ev.get("baseline", {})
+    recipes_ = recipes(results, rows)
     return {
-        "recipes": recipes(results, rows),
+        "recipes": recipes_,
+        "layouts": layouts(results, recipes_),
         "rows": rows,
         "heldout": heldout,
         "target_alone_repeat": {
@@ -226,6 +235,9 @@ def recipes(results: dict, rows: list[dict]) -> list[dict]:
         return []
     chain = rows[0]["chain"] if rows else None
     sf = {r["prompt_set"]: r["specforge"]["accept_length"] for r in rows if r["chain"] == chain}
+    if not rows:  # recipes evaluated without the head-to-head (a storage run): their own prompt sets
+        evals = [rec.get("eval") or {} for rec in results[ABLATED].values()]
+        sf = dict.fromkeys(k for e in evals for k, v in e.items() if isinstance(v, dict))
     ev = results.get("h2h-eval", {}).get("eaglet", {}).get(chain, {})
     eaglet = results.get("h2h-eaglet", {})
     default = {"name": "h2h-eaglet", "flags": "",
@@ -243,6 +255,35 @@ def recipes(results: dict, rows: list[dict]) -> list[dict]:
             al = (e.get(pset) or {}).get("accept_length")
             row[pset] = {"accept_length": al, "ratio_to_specforge": ratio(al, theirs),
                          "accept_rate_per_position": (e.get(pset) or {}).get("accept_rate_per_position")}  # fmt: skip
+        out.append(row)
+    return out
+
+
+def layouts(results: dict, recipes_: list[dict]) -> list[dict]:
+    """Per recipe trained on a storage layout's run (``layout-<name>``), and ``base`` (h2h-extract's run, the bf16
+    reference): stored bytes per token, their ratio to the reference's, accept length per prompt set and its change
+    against ``base``'s."""
+    runs = results.get(LAYOUTS, {}).get("runs") or {}
+    extract = results.get("h2h-extract", {})
+    ref_bytes = ratio(number((extract.get("counts") or {}).get("bytes")), extract.get("tokens"))
+    by_name = {r["name"]: r for r in recipes_}
+    base = by_name.get("base")
+    if not runs or not base:
+        return []
+    out = []
+    for r in recipes_:
+        if r["name"] != "base" and not r["name"].startswith(LAYOUT_RECIPE):
+            continue
+        if r is base:
+            run = {"spec": "all:0:full", "bytes_per_token": ref_bytes}
+        else:
+            run = runs.get(r["name"].removeprefix(LAYOUT_RECIPE).partition(".")[0], {})
+        per_token = run.get("bytes_per_token")
+        row = {"name": r["name"], "flags": r["flags"], "spec": run.get("spec"), "bytes_per_token": per_token,
+               "ratio_to_bf16": ratio(per_token, ref_bytes), "error": r.get("error")}  # fmt: skip
+        for pset in (k for k in r if isinstance(r[k], dict)):
+            al, ref = r[pset]["accept_length"], base[pset]["accept_length"]
+            row[pset] = {"accept_length": al, "change": round(al / ref - 1, 4) if al and ref else None}
         out.append(row)
     return out
 
@@ -339,6 +380,19 @@ def markdown(s: dict) -> str:
                 f"| {r['name']}{note} | {r['flags'] or '—'} | {r['as_run']} | {cells}"
                 f"{rates(r['heldout_acc'])} | {fmt(r['steps'])} | {fmt(r['wall_s'], 1)}{beside} |"
             )
+    if s["layouts"]:
+        sets = [k for k in s["layouts"][0] if isinstance(s["layouts"][0][k], dict)]
+        lines += ["", "Storage layouts (final state:k:auxiliary states; `base` is the extraction's bf16 run, every "
+                  "other the same samples stored again in the layout), the default recipe on each:", "",
+                  "| recipe | layout | bytes per token | ÷ bf16 | "
+                  + "".join(f"{p} accept length (change against base) | " for p in sets),
+                  "|---|---|---|---|" + "---|" * len(sets)]  # fmt: skip
+        for r in s["layouts"]:
+            cells = "".join(f"{fmt(r[p]['accept_length'], 4)} ({pct(r[p]['change'])}) | " for p in sets)
+            note = f" ({' '.join(str(r['error']).split())[:80]})" if r.get("error") else ""
+            flags = f" {r['flags']}" if r["flags"] and r["flags"] != DEFAULT_FLAGS else ""
+            lines.append(f"| {r['name']}{note} | {r['spec'] or '—'}{flags} | {fmt(r['bytes_per_token'], 1)} | "
+                         f"{fmt(r['ratio_to_bf16'], 3)} | {cells}".rstrip())  # fmt: skip
     lines += ["", "Held-out accuracy per draft position (eaglet's scorer, the same held-out samples for both):", "",
               "| drafter | samples | tokens | accuracy per position | loss |", "|---|---|---|---|---|"]  # fmt: skip
     for d, h in s["heldout"].items():

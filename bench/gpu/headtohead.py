@@ -812,8 +812,13 @@ def phase_layouts() -> None:
 
     if done("h2h-layouts"):
         return
+    # The extraction's server busy-polls its CPU cores, which the 4-bit encoder here needs: on 2026-12-04 the fp4
+    # layout ran past a call's 570 s beside it, and top24-fp4's 1.4 M tokens took 34 s without it.
+    P.stop(SERVER)
     P.redis_up()
     R = P.RESULTS.setdefault("h2h-layouts", {})
+    for attempt in R.get("earlier_attempts", []):  # a layout stored by a call cut short is whole: keep it
+        R.setdefault("runs", {}).update(attempt.get("runs", {}))
     src = P.RESULTS["h2h-extract"]["run_id"]
     redis = Redis.from_url(P.REDIS_URL, decode_responses=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -829,7 +834,8 @@ def phase_layouts() -> None:
         run, t = f"{src}-{name}", time.time()
         stored = derive_run(redis, P.DATA, src, run, "bf16", 1 << 62, Layout(final=final, topk=int(k), aux=aux),
                             lm_head)  # fmt: skip
-        runs[name] = {"run_id": run, "bytes_per_token": round(stored / tokens, 1), "wall_s": round(time.time() - t, 1)}
+        runs[name] = {"run_id": run, "spec": spec, "bytes_per_token": round(stored / tokens, 1),
+                      "wall_s": round(time.time() - t, 1)}  # fmt: skip
         P.log(f"h2h-layouts: {name} -> {run}, {runs[name]['bytes_per_token']} B/token")
         P.save("h2h-layouts")
     R["done"] = True

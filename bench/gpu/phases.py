@@ -1048,7 +1048,7 @@ def fresh(phase: str) -> None:
     if not old or old.get("done"):
         return
     earlier = old.get("earlier_attempts", [])
-    note = {k: old[k] for k in ("date", "error", "skipped") if k in old}
+    note = {k: old[k] for k in ("date", "error", "skipped", "runs") if k in old}  # runs: units it finished
     RESULTS[phase] = {"earlier_attempts": earlier + [note]} if note or earlier else {}
 
 

@@ -206,6 +206,33 @@ def test_report_lists_each_recipe_beside_the_default_with_its_ratio_to_specforge
     assert "| lr (boom) |" in md
 
 
+def test_storage_run_shows_each_layouts_bytes_and_accept_length_against_base(tmp_path):
+    # a storage run evaluates recipes without the head-to-head: no SpecForge rows, the recipes' own prompt sets
+    def recipe(flags, humaneval, heldout):
+        return {"flags": flags, "train": {"rc": 0},
+                "eval": {"humaneval": {"accept_length": humaneval}, "heldout": {"accept_length": heldout}}}  # fmt: skip
+
+    plain = "(default recipe)"
+    ablations = {"base": recipe(plain, 1.6, 1.8), "layout-top24-fp4": recipe(plain, 1.6, 1.782),
+                 "layout-top24-fp4.uniform": recipe("--topk-tail uniform", 1.64, 1.8),
+                 "layout-fp4": {"flags": "(default recipe)", "train": {"error": "no run of layout fp4"}},
+                 "noise": recipe("--aux-noise 0", 1.5, 1.7)}  # fmt: skip
+    (tmp_path / "h2h-ablations.json").write_text(json.dumps(ablations))
+    (tmp_path / "h2h-extract.json").write_text(json.dumps({"tokens": 1000, "counts": {"bytes": "4614500"}}))
+    runs = {"top24-fp4": {"run_id": "r-top24-fp4", "spec": "topk:24:fp4", "bytes_per_token": 1123.2}}
+    (tmp_path / "h2h-layouts.json").write_text(json.dumps({"runs": runs, "done": True}))
+    s = h2hreport.write(tmp_path, tmp_path / "results")
+    assert [r["name"] for r in s["layouts"]] == ["base", "layout-top24-fp4", "layout-top24-fp4.uniform", "layout-fp4"]
+    top24, uniform = s["layouts"][1], s["layouts"][2]
+    assert top24["ratio_to_bf16"] == 0.243 and s["layouts"][0]["bytes_per_token"] == 4614.5
+    assert top24["heldout"] == {"accept_length": 1.782, "change": -0.01}
+    assert uniform["humaneval"]["change"] == 0.025 and uniform["bytes_per_token"] == 1123.2
+    md = (tmp_path / "results" / "gpu-headtohead.md").read_text()
+    assert "| layout-top24-fp4 | topk:24:fp4 | 1,123.2 | 0.243 | 1.6000 (+0.0%) | 1.7820 (-1.0%) |" in md
+    assert "| layout-top24-fp4.uniform | topk:24:fp4 --topk-tail uniform | 1,123.2 |" in md
+    assert "| base | (default recipe) | — | 1.600 (—); — | 1.800 (—); — |" in md  # accept lengths with no SpecForge
+
+
 def test_trainer_variants_median_leaves_a_cold_compile_out_and_is_set_against_specforge():
     def row(variant, repeat, tokens_per_s, cold=False, rc=0):
         return {"variant": variant, "repeat": repeat, "flags": f"--compile {variant}", "rc": rc, "cold_compile": cold,

@@ -145,3 +145,12 @@ def test_a_start_refused_for_memory_is_tried_again_once_the_other_starts_are_don
     assert P.once_more_if_refused("x", refused_then_up) == 2.0
     t.join()
     assert events == ["start", "other up", "start"]
+
+
+def test_units_an_attempt_finished_stay_in_its_note(tmp_path, monkeypatch):
+    # h2h-layouts records each stored layout as it finishes: a call cut short keeps them for the next to reuse
+    P = load_phases(tmp_path, monkeypatch)
+    P.RESULTS.clear()
+    P.RESULTS["layouts"] = {"runs": {"loss": {"run_id": "r-loss"}}, "date": "then"}
+    P.fresh("layouts")
+    assert P.RESULTS["layouts"] == {"earlier_attempts": [{"date": "then", "runs": {"loss": {"run_id": "r-loss"}}}]}
