@@ -92,7 +92,9 @@ def send_all(url: str, prompts: list[list[int]], rids: list[str | None], concurr
 def pipeline_phase(redis: Redis, settings: Settings, run_id: str, limit: int) -> tuple[float, int, int]:
     """Seconds from the ingest call to extraction_complete, tokens and bytes stored."""
     t = time.perf_counter()
-    ingest_new_run(redis, settings, run_id, DATASET, RunOptions(max_tokens=2048, limit=limit))
+    # every state kept (not the default layout): the figures compare with the server's bf16 dumps byte for byte
+    options = RunOptions(max_tokens=2048, limit=limit, store_final="all", store_aux="full")
+    ingest_new_run(redis, settings, run_id, DATASET, options)
     state = RunState(redis, run_id)
     while not state.extraction_complete():
         time.sleep(0.02)

@@ -17,6 +17,8 @@ Phases:
             end-to-end tokens/s with 32 workers (1,200 samples, > 60 s), the server's memory sampled.
   fp8speed8b  the same pipeline storing fp8 (encoded by the plugin on the GPU), three repetitions, and the GPU
             encoder checked bit for bit against the workers' CPU encoder.
+  layoutspeed8b  the same pipeline on the default storage layout (top-24 by the plugin on the GPU, 4-bit aux
+            states by the workers), three repetitions. Every pipeline repetition probes the disk just before it.
   ref8b     the reference server at the 8B shape: server alone (--no-dump) vs the pipeline.
   train8b   eaglet's trainer on the 8B store files that speed8b wrote (hidden 4096, TTT 7, 2,048-token
             samples): tokens/s and peak GPU memory.
@@ -280,10 +282,12 @@ def pipeline(
     timeout: float,
     store: str = "model",
     sink: bool = False,
+    layout: str = "all:0:full",
 ) -> dict:
     """The real thing: extractor worker processes, a run ingested and queued, waited on until complete.
     ``sink``: each stored sample is removed once it is marked done (written and fsynced), so a run longer
-    than the disk holds can go on."""
+    than the disk holds can go on. ``layout`` (``final:k:aux``): every state by default, as the speed rows and the
+    head-to-head's conversion to SpecForge's features need, not the product's default layout."""
     os.environ.update(eaglet_env(model, port, store))
     sys.path[:0] = [str(REPO), f"{S}/esite"]
     from redis import Redis
@@ -297,7 +301,9 @@ def pipeline(
     redis = Redis.from_url(REDIS_URL, decode_responses=True)
     names = start_workers(run_id, model, port, workers, store)
     t_start = time.time()
-    res = ingest_new_run(redis, Settings(), run_id, dataset, RunOptions(max_tokens=max_tokens))
+    final, k, aux = layout.split(":")
+    options = RunOptions(max_tokens=max_tokens, store_final=final, store_topk=int(k), store_aux=aux)
+    res = ingest_new_run(redis, Settings(), run_id, dataset, options)
     state = RunState(redis, run_id)
     first = None
     removed = [0]
@@ -630,7 +636,6 @@ def phase_real() -> None:
     phase_extract("real", model, ds, n_workers=4, chunk=128, compare=True, bench_prompts=None, max_tokens=2048)
 
 
-L8B_BYTES_PER_TOKEN = {"bf16": 4 * 4096 * 2, "fp8": 4 * (4096 + 4)}  # 3 aux + final states (+ fp8 scales)
 L8B_EXTRA = ["--chunked-prefill-size", "8192", "--mem-fraction-static", "0.8", "--cuda-graph-max-bs", "8"]
 L8B_LENGTH, L8B_CONCURRENCY, L8B_REPS = 2048, 32, 3
 
@@ -689,24 +694,41 @@ def phase_fp8speed8b() -> None:
     save("fp8speed8b")
 
 
-def pipeline_reps(phase: str, store: str, model: Path, n: int, reps: int = L8B_REPS) -> None:
-    """``reps`` pipeline runs of ``n`` 2,048-token samples on one plugin server, with the scheduler's memory
-    sampled throughout; added to the phase's list."""
+def pipeline_reps(
+    phase: str, store: str, model: Path, n: int, reps: int = L8B_REPS, layout: str = "all:0:full"
+) -> None:
+    """``reps`` pipeline runs of ``n`` 2,048-token samples on one plugin server, each after a probe of the disk
+    (its ceiling then), with the scheduler's memory sampled throughout; added to the phase's list."""
     R = RESULTS[phase]
     plugin_server(model)
     R.setdefault("pipeline", [])
     for rep in range(len(R["pipeline"]), len(R["pipeline"]) + reps):
         ds = ROOT / f"l8b-{rep}.jsonl"
         pretokenized(ds, [L8B_LENGTH] * n, 49152, seed=20 + rep)
+        disk = disk_probe()
         with MemorySampler(PROCS["s8b-plugin"].pid) as memory:
             out = pipeline(f"{phase}-{rep}-{int(time.time())}", model, ds, SGL_PORT, L8B_CONCURRENCY, 8192,
-                           timeout=400, store=store, sink=True)  # fmt: skip
-        out["server_memory"] = memory.result()
-        out["bytes_per_token"] = L8B_BYTES_PER_TOKEN[store]
+                           timeout=400, store=store, sink=True, layout=layout)  # fmt: skip
+        out["server_memory"], out["disk"], out["layout"] = memory.result(), disk, layout
+        counts = out.get("counts") or {}
+        # the stored bytes a token as counted by the workers (a layout's are not the dumps' fixed width)
+        out["bytes_per_token"] = round(int(counts.get("bytes", 0)) / max(int(counts.get("tokens", 0)), 1), 1)
         R["pipeline"].append(out)
         log(f"{phase} pipeline {rep}: {out['tokens_per_s']} tok/s, memory {out['server_memory']}")
         save(phase)
     R["plugin_log"] = plugin_lines("s8b-plugin")
+
+
+def phase_layoutspeed8b() -> None:
+    """The default storage layout's pipeline at the 8B shape, repeated: the plugin computes the top-24 on the GPU,
+    the workers encode the auxiliary states to 4 bits on the host (their CPU is its likely ceiling)."""
+    from eaglet.shared.runoptions import RunOptions
+
+    redis_up()
+    RESULTS.setdefault("layoutspeed8b", {})
+    default = RunOptions().layout()
+    pipeline_reps("layoutspeed8b", "bf16", MODELS / "l8b", int(os.environ.get("NPIPE8B", "1200")),
+                  layout=f"{default.final}:{default.topk}:{default.aux}")  # fmt: skip
 
 
 class Sampler:
@@ -1012,6 +1034,7 @@ ESTIMATE_S = {
     "speed8b": 480,
     "fp8speed8b": 250,
     "bf16speed8b": 200,
+    "layoutspeed8b": 200,
     "ref8b": 150,
     "train8b": 120,
     "drafter": 200,
@@ -1036,6 +1059,7 @@ PHASES = {
     "speed8b": phase_speed8b,
     "fp8speed8b": phase_fp8speed8b,
     "bf16speed8b": phase_bf16speed8b,
+    "layoutspeed8b": phase_layoutspeed8b,
     "ref8b": phase_ref8b,
     "train8b": phase_train8b,
     "drafter": phase_drafter,

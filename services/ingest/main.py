@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--store-final",
         choices=get_args(FinalStorage),
         default=DEFAULTS.store_final,
-        help="the final state at all positions, at loss positions only, or the top-k distribution",
+        help=f"the final state at all positions, at loss positions only, or the top-k distribution "
+        f"(default {DEFAULTS.store_final})",
     )
     parser.add_argument(
         "--store-topk",
@@ -42,8 +43,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULTS.store_topk,
         help=f"entries a token of --store-final topk keeps (default {DEFAULT_TOPK})",
     )
-    parser.add_argument("--store-aux", choices=get_args(AuxStorage), default=DEFAULTS.store_aux,
-                        help="the auxiliary states at full width or block-scaled 4-bit")  # fmt: skip
+    parser.add_argument(
+        "--store-aux",
+        choices=get_args(AuxStorage),
+        default=DEFAULTS.store_aux,
+        help=f"the auxiliary states at full width or block-scaled 4-bit (default {DEFAULTS.store_aux})",
+    )
     args = parser.parse_args(argv)
     if (args.dataset is None) != args.resume:
         parser.error("give a DATASET for a new run, or --resume for a run whose ingest died (not both)")

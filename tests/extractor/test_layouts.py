@@ -11,7 +11,7 @@ import torch
 from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.shared.fp4 import encode_fp4
 from eaglet.shared.layout import Layout
-from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.runoptions import EVERY_STATE, RunOptions
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import (
     loss_rows,
@@ -29,16 +29,17 @@ from tests.extractor.test_pipeline import extractor_for, settings, write_dataset
 @pytest.mark.parametrize(
     "options",
     [
-        dict(store_final="loss"),
-        dict(store_final="topk", store_topk=8),
-        dict(store_aux="fp4"),
+        dict(store_final="loss", store_aux="full"),
+        dict(store_final="topk", store_topk=8, store_aux="full"),
+        dict(store_final="all", store_aux="fp4"),
         dict(store_final="topk", store_topk=8, store_aux="fp4", store_dtype="fp8"),
+        dict(),
     ],  # fmt: skip
-    ids=["loss", "top8", "fp4", "top8+fp4-fp8"],
+    ids=["loss", "top8", "fp4", "top8+fp4-fp8", "default"],
 )
 def test_each_layout_stores_what_the_run_asks_for(redis, settings, tmp_path, options):  # noqa: F811
     write_dataset(tmp_path / "data.jsonl", 2)
-    ingest_new_run(redis, settings, "wide", tmp_path / "data.jsonl", RunOptions())
+    ingest_new_run(redis, settings, "wide", tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
     ingest_new_run(redis, settings, "narrow", tmp_path / "data.jsonl", RunOptions(**options))
     for run in ("wide", "narrow"):
         assert extractor_for(settings, redis).extract(run, 1).startswith("done"), run

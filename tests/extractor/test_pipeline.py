@@ -16,7 +16,7 @@ from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.config import Settings
 from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES
 from eaglet.shared.jobqueue import run_queue
-from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.runoptions import EVERY_STATE, RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.status import read_status
@@ -70,7 +70,7 @@ def test_two_workers_extract_every_sample_exactly_once(redis, settings, tmp_path
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
         for i in range(2):
             stack.start(f"worker-{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
-        ingest_new_run(redis, settings, "e2e", tmp_path / "data.jsonl", RunOptions())
+        ingest_new_run(redis, settings, "e2e", tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
         state = RunState(redis, "e2e")
         deadline = time.monotonic() + 180
         while not state.extraction_complete():
@@ -125,7 +125,7 @@ def extractor_for(settings: Settings, redis: Redis, **kw) -> Extractor:
 
 def test_a_stored_sample_is_never_extracted_twice(redis, settings, tmp_path):
     write_dataset(tmp_path / "data.jsonl", 3)
-    ingest_new_run(redis, settings, "idem", tmp_path / "data.jsonl", RunOptions())
+    ingest_new_run(redis, settings, "idem", tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
     extractor = extractor_for(settings, redis)
     assert extractor.extract("idem", 1).startswith("done (prefill ")
     assert extractor.extract("idem", 1) == "already done"
@@ -139,7 +139,7 @@ def test_a_stored_sample_is_never_extracted_twice(redis, settings, tmp_path):
 
 def test_hidden_states_stored_are_the_models(redis, settings, tmp_path):
     write_dataset(tmp_path / "data.jsonl", 2)
-    ingest_new_run(redis, settings, "exact", tmp_path / "data.jsonl", RunOptions())
+    ingest_new_run(redis, settings, "exact", tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
     extractor_for(settings, redis).extract("exact", 1)
     sample = SampleSet(samples_dir(settings.data_dir, "exact"))[1]
     stored = open_sample(sample_path(settings.data_dir, "exact", sample.sample_id))
@@ -156,8 +156,8 @@ def test_an_fp8_run_has_the_server_encode_and_stores_its_bits_as_they_came(redis
     encodes before the copy to the host, the store keeps the bytes: the sample equals the workers' own encoder
     applied to a full-width extraction of the same prompt."""
     write_dataset(tmp_path / "data.jsonl", 2)
-    ingest_new_run(redis, settings, "wide", tmp_path / "data.jsonl", RunOptions())
-    ingest_new_run(redis, settings, "narrow", tmp_path / "data.jsonl", RunOptions(store_dtype="fp8"))
+    ingest_new_run(redis, settings, "wide", tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
+    ingest_new_run(redis, settings, "narrow", tmp_path / "data.jsonl", RunOptions(**EVERY_STATE, store_dtype="fp8"))
     extractor_for(settings, redis).extract("wide", 1)
     extractor_for(settings, redis, store_dtype="bf16").extract("narrow", 1)  # the run's storage, not the worker's
     assert RunState(redis, "wide").meta().options["store_dtype"] == settings.store_dtype  # fixed at ingest
@@ -174,7 +174,7 @@ def test_an_fp8_run_has_the_server_encode_and_stores_its_bits_as_they_came(redis
 
 def test_unreachable_server_backs_off_then_records_the_reason(redis, settings, tmp_path):
     write_dataset(tmp_path / "data.jsonl", 1)
-    ingest_new_run(redis, settings, "down", tmp_path / "data.jsonl", RunOptions())
+    ingest_new_run(redis, settings, "down", tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
     offline = settings.model_copy(update={"inference_url": "http://127.0.0.1:9"})
     extractor = extractor_for(offline, redis, backoff_s=(0.05,), max_transient_s=0.3)
     assert extractor.extract("down", 0) == "failed"

@@ -9,7 +9,7 @@ import torch
 from eaglet.cli.stack import LocalStack
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.ingest.jobs import ingest_new_run
-from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.runoptions import EVERY_STATE, RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import open_sample, sample_path, samples_dir
@@ -44,7 +44,7 @@ def test_broken_dumps_are_rejected_retried_and_never_stored(redis, settings, tmp
         with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
             for i in range(2):
                 stack.start(f"w{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
-            ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
+            ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
             state = RunState(redis, run_id)
             wait_for("the run to complete", state.extraction_complete, 180)
     finally:

@@ -14,7 +14,7 @@ from redis import Redis
 from eaglet.cli.stack import LocalStack
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.ingest.jobs import ingest_new_run
-from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.runoptions import EVERY_STATE, RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleSet
 from eaglet.shared.store import open_sample, sample_path, samples_dir
@@ -48,7 +48,7 @@ def test_inference_server_killed_and_restarted_mid_run(redis, settings, tmp_path
         start_server()
         for i in range(2):
             stack.start(f"w{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
-        ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
+        ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
         state = RunState(redis, run_id)
         for k in range(restarts):
             wait_for("progress", lambda k=k: state.counts().done >= (k + 1) * n // (restarts + 2), 120, 0.02)
@@ -87,7 +87,7 @@ def test_redis_killed_and_restarted_mid_run(redis, redis_server, settings, tmp_p
         with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
             for i in range(2):
                 stack.start(f"w{i}", "eaglet.services.extractor.worker", "--name", f"w{i}")
-            ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
+            ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
             state = RunState(redis, run_id)
             for k, kill in enumerate((True, False)):  # SIGKILL, then a clean stop
                 wait_for("progress", lambda k=k: state.counts().done >= (k + 1) * n // 4, 120, 0.02)

@@ -17,7 +17,7 @@ from eaglet.services.ingest.jobs import ingest_new_run
 from eaglet.shared import heartbeats, keys
 from eaglet.shared.heartbeats import WorkerState
 from eaglet.shared.jobqueue import cancel, enqueue_ingest, rq_worker_name, run_queue
-from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.runoptions import EVERY_STATE, RunOptions
 from eaglet.shared.runs import create_run
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet
@@ -45,7 +45,7 @@ def test_workers_killed_at_random_moments_lose_nothing(redis, settings, tmp_path
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
         for name in names:
             stack.start(name, "eaglet.services.extractor.worker", "--name", name)
-        ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
+        ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
         state = RunState(redis, run_id)
         # Kills are paced by the run's progress, not by the clock, so a fast machine sees as many as a slow one:
         # kill i lands once i / KILLS of the first n - 20 samples are done, late ones catch up a poll at a time.
@@ -103,7 +103,7 @@ def test_a_sample_that_kills_its_worker_every_time_ends_failed_with_the_reason(
     try:
         with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
             stack.start("w0", "eaglet.services.extractor.worker", "--name", "w0")
-            ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
+            ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
             state = RunState(redis, run_id)
             deadline = time.monotonic() + 120
             while not state.extraction_complete():
@@ -136,7 +136,7 @@ def test_a_job_in_no_queue_and_no_registry_is_found(redis, settings, tmp_path, e
     be hit on purpose, so its state is made directly (the in-flight record of a worker that is gone)."""
     n, run_id = 6, "lost"
     write_dataset(tmp_path / "data.jsonl", n, prefix="l")
-    ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
+    ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
     rq_redis = Redis.from_url(settings.redis_url)
     queue = run_queue(rq_redis, run_id)
     job, _ = Queue.dequeue_any([queue], None, connection=rq_redis)
@@ -161,7 +161,7 @@ def test_a_worker_killed_between_its_started_entry_and_its_jobs_start_loses_noth
     execution); the sweep must judge the entry by the execution's worker, or it holds the run open forever."""
     n, run_id = 6, "unstarted"
     write_dataset(tmp_path / "data.jsonl", n, prefix="u")
-    ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions())
+    ingest_new_run(redis, settings, run_id, tmp_path / "data.jsonl", RunOptions(**EVERY_STATE))
     rq_redis = Redis.from_url(settings.redis_url)
     job, _ = Queue.dequeue_any([run_queue(rq_redis, run_id)], None, connection=rq_redis)
     with rq_redis.pipeline() as pipe:
@@ -197,7 +197,7 @@ def test_an_ingest_whose_worker_dies_is_taken_up_where_it_stopped(redis, setting
     with LocalStack(tmp_path / "logs", env=env_of(settings)) as stack:
         stack.start("w0", "eaglet.services.ingest.worker", "--name", "w0")
         wait_for("w0's heartbeat", lambda: redis.hexists(keys.WORKERS, "w0"), 60)
-        state = create_run(redis, "half", dataset, RunOptions())
+        state = create_run(redis, "half", dataset, RunOptions(**EVERY_STATE))
         enqueue_ingest(rq_redis, "half")
         wait_for("samples queued while ingest reads", lambda: state.meta().ingest_cursor, 120)
         stack.procs["w0"].send_signal(signal.SIGKILL)

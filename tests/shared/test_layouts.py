@@ -98,8 +98,8 @@ def test_k_out_of_range_is_refused_at_the_options_and_at_the_server():
     with pytest.raises(ValueError, match="give 1 to 1024"):
         RunOptions(store_final="topk", store_topk=2000)
     with pytest.raises(ValueError, match="only a run with store_final 'topk'"):
-        RunOptions(store_topk=8)
-    assert RunOptions(store_final="topk").layout() == Layout(final="topk", topk=32)
+        RunOptions(store_final="all", store_topk=8)
+    assert RunOptions(store_final="topk").layout() == Layout(final="topk", topk=24, aux="fp4")
     with pytest.raises(ValueError, match="custom_params.eaglet_topk=400"):
         DumpEncoding.from_params({"eaglet_topk": 400}, V)
 

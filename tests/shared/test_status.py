@@ -43,7 +43,7 @@ def test_extraction_and_storage_figures(redis):
 
 def test_the_storage_projection_counts_the_runs_layout_before_its_first_sample(redis):
     state = RunState(redis, "top")
-    options = RunOptions(store_dtype="bf16", store_final="topk", store_aux="fp4")
+    options = RunOptions(store_dtype="bf16", store_final="topk", store_topk=32, store_aux="fp4")
     state.create(dataset="/d/data.jsonl", model="kimi", hidden_size=7168, options=asdict(options))
     state.start_extraction()
     state.set_total(4, 1000)
