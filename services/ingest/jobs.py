@@ -82,7 +82,7 @@ def _describe_target(state: RunState, settings: Settings, meta: RunMeta) -> RunM
         check_k(options.store_topk, config["vocab_size"])
     if options.store_aux == "fp4" and NUM_AUX * config["hidden_size"] % FP4_BLOCK:
         raise Fp4Error(f"store_aux fp4: aux states {NUM_AUX} x {config['hidden_size']} wide are not whole blocks of "
-                       f"{FP4_BLOCK}; store them full width")  # fmt: skip
+                       f"{FP4_BLOCK}; store them full width (store_aux 'full', --store-aux full)")  # fmt: skip
     context = config.get("max_position_embeddings", options.max_tokens)
     target = RunMeta(
         model=settings.model,
