@@ -1,0 +1,71 @@
+"""The pipeline's speed at the 8B shape against its two ceilings: from the phases speed8b (plain SGLang, the bf16
+pipeline), fp8speed8b and layoutspeed8b (phases.py), each repetition's tokens/s over min(plain SGLang's median,
+the disk's fsync bandwidth probed just before it ÷ the bytes a token that repetition stored).
+
+    python bench/gpu/speedreport.py GPU_OUT_DIR bench/results      (writes gpu-speedrows.md and .json)
+"""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+PHASES = {"speed8b": "bf16", "fp8speed8b": "fp8", "layoutspeed8b": "default layout"}
+GOAL = 0.95
+
+
+def rows(results: dict) -> tuple[float | None, list[dict]]:
+    """Plain SGLang's median tokens/s, and one row per pipeline repetition of each phase. A repetition recorded
+    before the probe moved beside it takes the phase's probes (speed8b's) in order."""
+    plain = [r["tokens_per_s"] for r in results.get("speed8b", {}).get("plain", []) if r.get("tokens_per_s")]
+    server = statistics.median(plain) if plain else None
+    out = []
+    for phase, name in PHASES.items():
+        R = results.get(phase, {})
+        probes = R.get("disk", [])
+        for i, rep in enumerate(R.get("pipeline", [])):
+            disk = (rep.get("disk") or (probes[i] if i < len(probes) else {})).get("fsync_write_GBps")
+            per_token = rep.get("bytes_per_token")
+            disk_bound = disk * 1e9 / per_token if disk and per_token else None
+            ceiling = min(x for x in (server, disk_bound) if x) if server or disk_bound else None
+            tps = rep.get("tokens_per_s")
+            out.append({
+                "pipeline": name, "repetition": i, "tokens_per_s": tps, "bytes_per_token": per_token,
+                "disk_GBps": disk, "disk_bound_tokens_per_s": round(disk_bound, 1) if disk_bound else None,
+                "ratio": round(tps / ceiling, 3) if tps and ceiling else None,
+                "written_GBps": round(rep["bytes_per_s"] / 1e9, 3) if rep.get("bytes_per_s") else None,
+            })  # fmt: skip
+    return server, out
+
+
+def write(out_dir: Path, results_dir: Path) -> dict:
+    results = {p: json.loads((out_dir / f"{p}.json").read_text()) for p in PHASES if (out_dir / f"{p}.json").exists()}
+    server, table = rows(results)
+    summary = {"plain_sglang_median_tokens_per_s": server, "goal": GOAL, "rows": table}
+    lines = [
+        "# The pipeline at the Llama-3-8B shape against min(plain SGLang, the disk) (one H200)",
+        "",
+        f"Written by `bench/gpu/speedreport.py` from phases.py's speed phases. Plain SGLang's median: "
+        f"{server:,.0f} tokens/s."
+        if server
+        else "Plain SGLang: not measured in these results.",
+        "",
+        "| pipeline | repetition | tokens/s | bytes a token | disk GB/s (probe) | disk bound tokens/s | written GB/s "
+        f"| ÷ min(SGLang, disk) (goal ≥ {GOAL}) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        lines.append(" | ".join(["", r["pipeline"], str(r["repetition"]), *(
+            "—" if r[k] is None else f"{r[k]:,}" for k in ("tokens_per_s", "bytes_per_token", "disk_GBps",
+                                                            "disk_bound_tokens_per_s", "written_GBps", "ratio"))
+        ]).strip() + " |")  # fmt: skip
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "gpu-speedrows.md").write_text("\n".join(lines) + "\n")
+    (results_dir / "gpu-speedrows.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    print(json.dumps(write(Path(sys.argv[1]), Path(sys.argv[2])), indent=1))
