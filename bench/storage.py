@@ -34,16 +34,30 @@ from safetensors.torch import save  # noqa: E402
 from bench.common import load, save_result  # noqa: E402
 from eaglet.services.trainer.data import load_sample  # noqa: E402
 from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump, write_dump  # noqa: E402
+from eaglet.shared.layout import Layout  # noqa: E402
+from eaglet.shared.runoptions import RunOptions  # noqa: E402
 from eaglet.shared.store import encode_states, sample_path, write_sample  # noqa: E402
 
+ENCODINGS = {  # name: (store_dtype, layout)
+    "bf16": ("bf16", Layout()),
+    "fp8": ("fp8", Layout()),
+    "default": ("bf16", RunOptions().layout()),  # the default layout: top-k from the dump, aux states to 4 bits
+}
+VOCAB = 128_000
 
-def make_sample(tokens: int, hidden: int, seed: int) -> dict[str, torch.Tensor]:
+
+def make_sample(tokens: int, hidden: int, seed: int, topk: int = RunOptions().layout().topk) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
+    # a top-k as a server computes it: distinct ids, log-probs in descending order, 0.9 of the mass
+    ids = torch.arange(topk) * (VOCAB // topk) + torch.randint(0, VOCAB // topk, (tokens, topk), generator=g)
+    logp = torch.log_softmax(torch.randn(tokens, topk, generator=g), -1).sort(-1, descending=True).values
     return {
-        "input_ids": torch.randint(0, 128000, (tokens,), dtype=torch.int32, generator=g),
+        "input_ids": torch.randint(0, VOCAB, (tokens,), dtype=torch.int32, generator=g),
         "loss_mask": torch.ones(tokens, dtype=torch.uint8),
         "hidden_states": torch.randn(tokens, hidden, generator=g).to(torch.bfloat16),  # as dumped on a GPU
         "aux_hidden_states": torch.randn(tokens, 3 * hidden, generator=g).to(torch.bfloat16),
+        "topk_ids": ids.to(torch.int32),
+        "topk_logp": (logp + torch.log(torch.tensor(0.9))).to(torch.float16),
     }
 
 
@@ -73,33 +87,37 @@ def raw_write(folder: Path, blobs: list[bytes]) -> float:
     return seconds
 
 
-def write_dumps(dump_dir: Path, samples: list[dict], tag: str) -> list[str]:
-    """The samples' states as an inference server leaves them: one dump file each, in the dump dir."""
+def write_dumps(dump_dir: Path, samples: list[dict], tag: str, layout: Layout) -> list[str]:
+    """The samples' states as an inference server leaves them: one dump file each, in the dump dir (with the
+    top-k when the layout keeps one)."""
     rids = [f"eaglet:bench:{tag}-{i:04d}:1" for i in range(len(samples))]
     for rid, s in zip(rids, samples, strict=True):
-        write_dump(dump_dir, rid, s["hidden_states"], s["aux_hidden_states"], aux_layer_ids=[2, 16, 29], model="m")
+        topk = (s["topk_ids"], s["topk_logp"]) if layout.final == "topk" else None
+        write_dump(dump_dir, rid, s["hidden_states"], s["aux_hidden_states"], aux_layer_ids=[2, 16, 29], model="m",
+                   topk=topk)  # fmt: skip
     return rids
 
 
 def durable_write(
-    folder: Path, dump_dir: Path, rids: list[str], samples: list[dict], store_dtype: str, writers: int, mode: str
+    folder: Path, dump_dir: Path, rids: list[str], samples: list[dict], encoding: str, writers: int, mode: str
 ) -> tuple[float, list]:
     """The extractor's store step for every sample, ``writers`` at a time: map the dump, check it, then
     ``write_sample`` (encode, temp, fsync, rename, fsync of the folder). ``mode`` "kernel": kept states are
     copied file to file (the extractor's path); "memory": the dump is first loaded into memory (the old path)."""
     paths = [sample_path(folder, "bench", f"{mode}-{i:04d}") for i in range(len(samples))]
     hidden = samples[0]["hidden_states"].shape[1]
+    store_dtype, layout = ENCODINGS[encoding]
 
     def one(i: int) -> None:
         dump = read_dump(dump_path(dump_dir, rids[i]))
         tokens = dump.hidden_states.shape[0]
         validate_dump(dump, rid=rids[i], num_tokens=tokens, hidden_size=hidden)
-        states = {"hidden_states": dump.hidden_states, "aux_hidden_states": dump.aux_hidden_states}
+        states = {"hidden_states": dump.hidden_states, "aux_hidden_states": dump.aux_hidden_states, **dump.topk}
         if mode == "memory":
             states = {k: v.clone() for k, v in states.items()}
         tensors = {"input_ids": samples[i]["input_ids"], "loss_mask": samples[i]["loss_mask"], **states}
         write_sample(paths[i], tensors, dump.metadata, writer=f"w{i % writers}", store_dtype=store_dtype,
-                     slices=dump.slices if mode == "kernel" else None)  # fmt: skip
+                     layout=layout, slices=dump.slices if mode == "kernel" else None)  # fmt: skip
 
     t = time.perf_counter()
     with ThreadPoolExecutor(writers) as pool:
@@ -114,7 +132,7 @@ def read_all(paths: list[Path], cold: bool) -> float:
     t = time.perf_counter()
     for p in paths:
         s = load_sample(p, torch.float32)  # the CPU trainer's dtype; bf16 on GPU
-        assert s["hidden_states"].shape[0] == s["input_ids"].shape[0]
+        assert s["aux_hidden_states"].shape[0] == s["input_ids"].shape[0]
     return time.perf_counter() - t
 
 
@@ -125,7 +143,7 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=8, help="samples a phase")
     p.add_argument("--writers", type=int, default=1, help="concurrent writers (threads), as workers on one host")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--dtypes", default="bf16,fp8", help="storage encodings to compare")
+    p.add_argument("--dtypes", default="bf16,fp8,default", help=f"storage encodings to compare: {', '.join(ENCODINGS)}")
     p.add_argument("--folder", type=Path, help="on the disk to measure (default: a temp folder under var/)")
     p.add_argument(
         "--dump-dir",
@@ -146,10 +164,11 @@ def main() -> int:
     dump_dir = Path(tempfile.mkdtemp(prefix="bench-dumps-", dir=args.dump_dir))
     try:
         for dtype in args.dtypes.split(","):
-            rids = write_dumps(dump_dir, samples, dtype)
+            store_dtype, layout = ENCODINGS[dtype]
+            rids = write_dumps(dump_dir, samples, dtype, layout)
             # what the durable write puts on disk, encoded outside the timing for the raw write of the same bytes
-            blobs = [save({k: v.contiguous() for k, v in encode_states(s, {"rid": "x"}, dtype)[0].items()})
-                     for s in samples]  # fmt: skip
+            encoded = [encode_states(s, {"rid": "x"}, store_dtype, layout)[0] for s in samples]
+            blobs = [save({k: v.contiguous() for k, v in e.items()}) for e in encoded]
             nbytes = sum(map(len, blobs))
             rows, paths = [], []
             for n, kind in enumerate(["raw", "durable", "memory"] * args.rounds + ["raw"]):
