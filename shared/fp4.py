@@ -7,7 +7,7 @@ stream that are 100x the rest) cost only their own block's precision. Per elemen
 0.5625 bytes, 0.28 of bf16.
 
 Plain torch ops throughout: the workers run it on the CPU and a server may run it on its GPU before the copy to the
-host; both round the same way (round to nearest magnitude, ties to the smaller: ``bucketize`` against the midpoints).
+host; both round the same way (round to nearest magnitude, ties to the smaller: ``magnitude_codes``).
 Every 4-bit code decodes to a finite number, so a block is corrupt only through its scale (``check_fp4``).
 """
 
@@ -19,7 +19,6 @@ from .tensorfile import row_blocks
 FP4_MAX = 6.0
 SCALE_DTYPE = torch.bfloat16
 _MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 _BLOCK_BYTES = 1 << 20
 
 
@@ -34,7 +33,6 @@ def encode_fp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise Fp4Error(f"states {D} wide: 4-bit storage needs a width divisible by {FP4_BLOCK}")
     codes = torch.empty(T, D // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(T, D // FP4_BLOCK, dtype=SCALE_DTYPE, device=x.device)
-    midpoints = _MIDPOINTS.to(x.device)
     for rows in row_blocks(x, _BLOCK_BYTES):
         block = x[rows].to(torch.float32).view(-1, D // FP4_BLOCK, FP4_BLOCK)  # [t, blocks, 32]
         amax = block.abs().amax(-1, keepdim=True)
@@ -43,11 +41,19 @@ def encode_fp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = torch.where(amax > 0, amax / FP4_MAX, 1.0).to(SCALE_DTYPE)
         scales[rows] = s.view(-1, D // FP4_BLOCK)
         scaled = block / s.to(torch.float32)
-        magnitude = torch.bucketize(scaled.abs(), midpoints).to(torch.uint8)  # 0..7; above 6 (rounding) -> 7
-        code = magnitude | ((scaled < 0).to(torch.uint8) << 3)
+        code = magnitude_codes(scaled.abs()) | ((scaled < 0).to(torch.uint8) << 3)
         code = code.view(-1, D // 2, 2)
         codes[rows] = (code[..., 0] | (code[..., 1] << 4)).view(-1, D // 2)
     return codes, scales
+
+
+def magnitude_codes(a: torch.Tensor) -> torch.Tensor:
+    """|x| as scaled (float32, >= 0) -> the index of its nearest e2m1 magnitude, ties to the smaller (0..7; above 6
+    -> 7): the number of midpoints {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5} below it. Below 2 the midpoints are 0.25 +
+    0.5 j, counted by ceil(2a - 0.5) (exact in float32 there); then three comparisons. 3x faster on a CPU core than
+    ``torch.bucketize`` against the midpoints, with the same codes (tests/shared/test_layouts.py)."""
+    m = (a * 2 - 0.5).ceil_().clamp_(0, 4).to(torch.uint8)
+    return m.add_(a > 2.5).add_(a > 3.5).add_(a > 5.0)
 
 
 def decode_fp4(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

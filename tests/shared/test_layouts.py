@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eaglet.shared.dumpfile import Dump, DumpEncoding, DumpInvalid, validate_dump
-from eaglet.shared.fp4 import Fp4Error, check_fp4, decode_fp4, encode_fp4
+from eaglet.shared.fp4 import Fp4Error, check_fp4, decode_fp4, encode_fp4, magnitude_codes
 from eaglet.shared.layout import FP4_BLOCK, Layout, TopkError, bytes_per_token, check_k
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.store import (
@@ -174,3 +174,11 @@ def test_fp8_aux_states_are_never_rounded_again_to_four_bits():
     with pytest.raises(ValueError, match="encoded from full width only"):
         encode_states({**s, "hidden_states_scale": torch.ones(T, 1), "aux_hidden_states_scale": torch.ones(T, 1)},
                       {"storage": "fp8_e4m3"}, "fp8", Layout(aux="fp4"))  # fmt: skip
+
+
+def test_magnitude_codes_round_to_the_nearest_e2m1_magnitude_ties_to_the_smaller():
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    edges = [midpoints, torch.nextafter(midpoints, torch.tensor(0.0)), torch.nextafter(midpoints, torch.tensor(9.0))]
+    a = torch.cat([*edges, torch.tensor([0.0, 1e-45, 2.0, 3.0, 4.0, 6.0, 6.5, 100.0]), torch.rand(200_000) * 7])
+    assert torch.equal(magnitude_codes(a.clone()), torch.bucketize(a, midpoints).to(torch.uint8))
+    assert magnitude_codes(midpoints.clone()).tolist() == list(range(7))  # a tie takes the smaller magnitude
