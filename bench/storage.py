@@ -151,6 +151,7 @@ def main() -> int:
         default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
         help="where the dumps lie, as the servers' shared-memory dump dir (default: /dev/shm)",
     )
+    p.add_argument("--result", help="results to bench/results/cpu-RESULT.json (default: storage-h<hidden>)")
     args = p.parse_args()
     torch.set_num_threads(1)  # as an extractor worker: one thread a process, workers scale by process
     load_before = load()
@@ -211,7 +212,7 @@ def main() -> int:
         if args.folder is None:
             shutil.rmtree(folder, ignore_errors=True)
     cmd = " ".join(["python bench/storage.py", *sys.argv[1:]])
-    print("wrote", save_result(f"storage-h{args.hidden}", cmd, figures, load_before))
+    print("wrote", save_result(args.result or f"storage-h{args.hidden}", cmd, figures, load_before))
     return 0
 
 
