@@ -39,7 +39,7 @@ from eaglet.shared.config import Settings  # noqa: E402
 from eaglet.shared.dumpfile import dump_path  # noqa: E402
 from eaglet.shared.ids import make_rid  # noqa: E402
 from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
-from eaglet.shared.runoptions import RunOptions  # noqa: E402
+from eaglet.shared.runoptions import EVERY_STATE, RunOptions  # noqa: E402
 from eaglet.shared.runstate import RunState  # noqa: E402
 from eaglet.shared.samples import SampleSet  # noqa: E402
 from eaglet.shared.store import samples_dir  # noqa: E402
@@ -93,7 +93,7 @@ def pipeline_phase(redis: Redis, settings: Settings, run_id: str, limit: int) ->
     """Seconds from the ingest call to extraction_complete, tokens and bytes stored."""
     t = time.perf_counter()
     # every state kept (not the default layout): the figures compare with the server's bf16 dumps byte for byte
-    options = RunOptions(max_tokens=2048, limit=limit, store_final="all", store_aux="full")
+    options = RunOptions(max_tokens=2048, limit=limit, **EVERY_STATE)
     ingest_new_run(redis, settings, run_id, DATASET, options)
     state = RunState(redis, run_id)
     while not state.extraction_complete():

@@ -35,7 +35,7 @@ from bench.common import load, save_result  # noqa: E402
 from eaglet.services.trainer.data import load_sample  # noqa: E402
 from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump, write_dump  # noqa: E402
 from eaglet.shared.layout import Layout  # noqa: E402
-from eaglet.shared.runoptions import RunOptions  # noqa: E402
+from eaglet.shared.runoptions import DEFAULT_TOPK, RunOptions  # noqa: E402
 from eaglet.shared.store import encode_states, sample_path, write_sample  # noqa: E402
 
 ENCODINGS = {  # name: (store_dtype, layout)
@@ -46,7 +46,7 @@ ENCODINGS = {  # name: (store_dtype, layout)
 VOCAB = 128_000
 
 
-def make_sample(tokens: int, hidden: int, seed: int, topk: int = RunOptions().layout().topk) -> dict[str, torch.Tensor]:
+def make_sample(tokens: int, hidden: int, seed: int, topk: int = DEFAULT_TOPK) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     # a top-k as a server computes it: distinct ids, log-probs in descending order, 0.9 of the mass
     ids = torch.arange(topk) * (VOCAB // topk) + torch.randint(0, VOCAB // topk, (tokens, topk), generator=g)

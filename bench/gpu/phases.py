@@ -282,12 +282,12 @@ def pipeline(
     timeout: float,
     store: str = "model",
     sink: bool = False,
-    layout: str = "all:0:full",
+    store_options: dict | None = None,
 ) -> dict:
     """The real thing: extractor worker processes, a run ingested and queued, waited on until complete.
     ``sink``: each stored sample is removed once it is marked done (written and fsynced), so a run longer
-    than the disk holds can go on. ``layout`` (``final:k:aux``): every state by default, as the speed rows and the
-    head-to-head's conversion to SpecForge's features need, not the product's default layout."""
+    than the disk holds can go on. ``store_options``: the run's storage options, every state when None (as the speed
+    rows and the head-to-head's conversion to SpecForge's features need); ``{}``: the product's default layout."""
     os.environ.update(eaglet_env(model, port, store))
     sys.path[:0] = [str(REPO), f"{S}/esite"]
     from redis import Redis
@@ -295,14 +295,13 @@ def pipeline(
     from eaglet.services.ingest.jobs import ingest_new_run
     from eaglet.shared.config import Settings
     from eaglet.shared.keys import RunKeys
-    from eaglet.shared.runoptions import RunOptions
+    from eaglet.shared.runoptions import EVERY_STATE, RunOptions
     from eaglet.shared.runstate import RunState
 
     redis = Redis.from_url(REDIS_URL, decode_responses=True)
     names = start_workers(run_id, model, port, workers, store)
     t_start = time.time()
-    final, k, aux = layout.split(":")
-    options = RunOptions(max_tokens=max_tokens, store_final=final, store_topk=int(k), store_aux=aux)
+    options = RunOptions(max_tokens=max_tokens, **(EVERY_STATE if store_options is None else store_options))
     res = ingest_new_run(redis, Settings(), run_id, dataset, options)
     state = RunState(redis, run_id)
     first = None
@@ -339,6 +338,7 @@ def pipeline(
         "tokens_per_s": round(int(counts.get("tokens", 0)) / wall, 1),
         "bytes_per_s": round(int(counts.get("bytes", 0)) / wall, 1),
         "store": store,
+        "layout": options.layout().name,
         "removed_behind": removed[0],
     }
     log(f"{run_id}: {json.dumps(out)[:600]}")
@@ -695,7 +695,7 @@ def phase_fp8speed8b() -> None:
 
 
 def pipeline_reps(
-    phase: str, store: str, model: Path, n: int, reps: int = L8B_REPS, layout: str = "all:0:full"
+    phase: str, store: str, model: Path, n: int, reps: int = L8B_REPS, store_options: dict | None = None
 ) -> None:
     """``reps`` pipeline runs of ``n`` 2,048-token samples on one plugin server, each after a probe of the disk
     (its ceiling then), with the scheduler's memory sampled throughout; added to the phase's list."""
@@ -708,8 +708,8 @@ def pipeline_reps(
         disk = disk_probe()
         with MemorySampler(PROCS["s8b-plugin"].pid) as memory:
             out = pipeline(f"{phase}-{rep}-{int(time.time())}", model, ds, SGL_PORT, L8B_CONCURRENCY, 8192,
-                           timeout=400, store=store, sink=True, layout=layout)  # fmt: skip
-        out["server_memory"], out["disk"], out["layout"] = memory.result(), disk, layout
+                           timeout=400, store=store, sink=True, store_options=store_options)  # fmt: skip
+        out["server_memory"], out["disk"] = memory.result(), disk
         counts = out.get("counts") or {}
         # the stored bytes a token as counted by the workers (a layout's are not the dumps' fixed width)
         out["bytes_per_token"] = round(int(counts.get("bytes", 0)) / max(int(counts.get("tokens", 0)), 1), 1)
@@ -722,13 +722,9 @@ def pipeline_reps(
 def phase_layoutspeed8b() -> None:
     """The default storage layout's pipeline at the 8B shape, repeated: the plugin computes the top-24 on the GPU,
     the workers encode the auxiliary states to 4 bits on the host (their CPU is its likely ceiling)."""
-    from eaglet.shared.runoptions import RunOptions
-
     redis_up()
     RESULTS.setdefault("layoutspeed8b", {})
-    default = RunOptions().layout()
-    pipeline_reps("layoutspeed8b", "bf16", MODELS / "l8b", int(os.environ.get("NPIPE8B", "1200")),
-                  layout=f"{default.final}:{default.topk}:{default.aux}")  # fmt: skip
+    pipeline_reps("layoutspeed8b", "bf16", MODELS / "l8b", int(os.environ.get("NPIPE8B", "1200")), store_options={})
 
 
 class Sampler:

@@ -21,8 +21,8 @@ high-entropy text) the bucketed KL reaches 0 with a drafter whose top token is n
 target's top-32 run: held-out accuracy 0.01 where the final state's gave 0.54). ``--topk-tail uniform`` says
 instead that the tail lies evenly on the draft tokens outside the k' entries: the KL over the whole draft
 vocabulary against that spread, which holds the drafter's tail flat and its top token on the target's. On SmolLM2
-the bucket accepted slightly more (CPU, two seeds, within noise: BENCHMARKS.md section 4b), so it stays the default
-until the head-to-head's ablation measures the two on the GPU.
+the bucket accepted more (CPU, two seeds, within noise; SGLang on one H200: +2.0 % / +1.6 % over bf16 against the
+uniform tail's +0.2 % / +1.1 %: BENCHMARKS.md section 4b), so it is the default.
 
 The acceptance of the LK losses, sum over the draft vocabulary of min(p, q) with p over the whole vocabulary, is
 exact over the k' entries and takes the bucket's min(p_tail, q_tail) for the rest (an upper bound of the tail's
