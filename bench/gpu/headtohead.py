@@ -813,7 +813,7 @@ def phase_layouts() -> None:
     if done("h2h-layouts"):
         return
     # The extraction's server busy-polls its CPU cores, which the 4-bit encoder here needs: on 2026-12-04 the fp4
-    # layout ran past a call's 570 s beside it, and top24-fp4's 1.4 M tokens took 34 s without it.
+    # layout ran past a call's 570 s beside it (the likely cause), and top24-fp4's 1.4 M tokens took 34 s without it.
     P.stop(SERVER)
     P.redis_up()
     R = P.RESULTS.setdefault("h2h-layouts", {})
