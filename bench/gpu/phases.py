@@ -19,6 +19,8 @@ Phases:
             encoder checked bit for bit against the workers' CPU encoder.
   layoutspeed8b  the same pipeline on the default storage layout (top-24 by the plugin on the GPU, 4-bit aux
             states by the workers), three repetitions. Every pipeline repetition probes the disk just before it.
+  diskpatterns  the data disk under the store's write pattern (sample-sized files, sendfile from shared memory,
+            fsync, rename, folder fsync; 8 to 64 writers; removed behind or kept) beside the plain probe.
   ref8b     the reference server at the 8B shape: server alone (--no-dump) vs the pipeline.
   train8b   eaglet's trainer on the 8B store files that speed8b wrote (hidden 4096, TTT 7, 2,048-token
             samples): tokens/s and peak GPU memory.
@@ -30,6 +32,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -860,6 +863,83 @@ def disk_probe() -> dict:
     return {"fsync_write_GBps": round(8 * len(buf) / wall / 1e9, 3)}
 
 
+DISKPAT_FILE_MB = 64  # a 2,048-token sample at the 8B shape in bf16: 2,048 x 32,773 B
+
+
+def phase_diskpatterns() -> None:
+    """The data disk under the store's own write pattern, beside the plain probe (no GPU): which part of it keeps a
+    disk-bound pipeline under the probe. Each pattern writes ``DISKPAT_FILES`` 64 MiB sample-sized files copied by
+    sendfile from a shared-memory dump, as the workers do; bytes a second over the pattern's wall."""
+    R = RESULTS.setdefault("diskpatterns", {})
+    DATA.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(f"findmnt -n -o SOURCE,FSTYPE,OPTIONS -T {DATA} || df -T {DATA}", shell=True,
+                           capture_output=True, text=True)  # fmt: skip
+    R["mount"] = (mount.stdout + mount.stderr).strip()
+    R["probe_before"] = disk_probe()
+    DUMPS.mkdir(parents=True, exist_ok=True)
+    dump = DUMPS / "diskpattern.dump"
+    dump.write_bytes(os.urandom(DISKPAT_FILE_MB << 20))
+    n = int(os.environ.get("DISKPAT_FILES", "128"))
+    patterns = {  # name: (writers, fsync the file, fsync the folder, remove each file behind)
+        "store x32, removed behind (the pipeline bench)": (32, True, True, True),
+        "store x32, kept": (32, True, True, False),
+        "store x32, no folder fsync": (32, True, False, False),
+        "store x8": (8, True, True, False),
+        "store x64": (64, True, True, False),
+        "x32, no fsync, one syncfs at the end (the disk streaming)": (32, False, False, False),
+    }
+    R["patterns"] = {}
+    try:
+        for name, spec in patterns.items():
+            R["patterns"][name] = write_pattern(dump, n, *spec)
+            log(f"diskpatterns {name}: {R['patterns'][name]}")
+            save("diskpatterns")
+    finally:
+        dump.unlink(missing_ok=True)
+    R["probe_after"] = disk_probe()
+
+
+def write_pattern(dump: Path, n: int, writers: int, fsync: bool, dir_fsync: bool, remove: bool) -> dict:
+    """``n`` copies of ``dump`` written by ``writers`` threads as the store writes a sample (temp file, sendfile,
+    fsync, rename, fsync of the folder), spread over 256 folders as the store spreads them; GB a second."""
+    root = DATA / "diskpattern"
+    for i in range(256):
+        (root / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+    size = dump.stat().st_size
+
+    def one(i: int) -> None:
+        folder = root / f"{i * 97 % 256:02x}"
+        tmp, final = folder / f".{i}.partial", folder / f"{i}.safetensors"
+        src, fd = os.open(dump, os.O_RDONLY), os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            offset = 0
+            while offset < size:
+                offset += os.sendfile(fd, src, offset, size - offset)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.close(src)
+        os.replace(tmp, final)
+        if dir_fsync:
+            dfd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        if remove:
+            final.unlink()
+
+    t = time.time()
+    with ThreadPoolExecutor(writers) as pool:
+        list(pool.map(one, range(n)))
+    if not fsync:
+        os.sync()
+    wall = time.time() - t
+    shutil.rmtree(root)
+    return {"GBps": round(n * size / wall / 1e9, 3), "wall_s": round(wall, 2), "files": n, "writers": writers}
+
+
 def phase_ref8b() -> None:
     R = RESULTS.setdefault("ref8b", {})
     model = MODELS / "l8b"
@@ -1031,6 +1111,7 @@ ESTIMATE_S = {
     "fp8speed8b": 250,
     "bf16speed8b": 200,
     "layoutspeed8b": 200,
+    "diskpatterns": 90,
     "ref8b": 150,
     "train8b": 120,
     "drafter": 200,
@@ -1056,6 +1137,7 @@ PHASES = {
     "fp8speed8b": phase_fp8speed8b,
     "bf16speed8b": phase_bf16speed8b,
     "layoutspeed8b": phase_layoutspeed8b,
+    "diskpatterns": phase_diskpatterns,
     "ref8b": phase_ref8b,
     "train8b": phase_train8b,
     "drafter": phase_drafter,
