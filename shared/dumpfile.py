@@ -18,7 +18,15 @@ them as they are: half the bytes through the dump folder, the copy and the disk.
 A request may also ask for the target's top-k distribution (``custom_params: {"eaglet_topk": k}``, sent when the
 run's layout keeps one instead of the final state): the dump then holds ``topk_ids`` int32 [T, k] and ``topk_logp``
 float16 [T, k] beside the states, computed by the server from its LM head (shared/topk.py), metadata
-``topk: k``. A server that cannot leaves them out, and the worker refuses the dump with that reason.
+``topk: k``. Those replace the final state: the dump holds no ``hidden_states`` (a run that keeps the top-k never
+stores the final state, so it does not cross to the host). A server that cannot compute them writes no dump, and the
+worker fails the sample with that reason.
+
+A request may ask for its auxiliary states 4-bit encoded (``custom_params: {"eaglet_aux": "e2m1_b32"}``, sent when the
+run stores them so): the server encodes them on its device with the store's encoder (shared/fp4.py), and the dump
+holds ``aux_hidden_states_e2m1`` uint8 [T, 3H/2] and ``aux_hidden_states_block_scale`` bfloat16 [T, 3H/32] in place of
+``aux_hidden_states``, metadata ``aux_storage: e2m1_b32``; the worker stores them as they are. With both, a dump of
+the default layout is what the store keeps (0.22 of a bf16 dump at H 4,096): no host work but the check and the copy.
 """
 
 import json
@@ -30,9 +38,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .fp4 import Fp4Error, check_fp4
 from .ids import check_rid
-from .layout import TopkError, check_k
-from .store import FP8, FP8_STORAGE, STATE_TENSORS
+from .layout import FP4_STORAGE, TopkError, check_k
+from .store import FP4_AUX_TENSORS, FP8, FP8_STORAGE, STATE_TENSORS
 from .tensorfile import FileSlice, TensorFileError, map_tensors, read_header, row_blocks
 from .topk import TOPK_PARAM, TOPK_TENSORS, check_topk
 
@@ -41,6 +50,8 @@ FINITE_CHECK_BYTES = 8 << 20  # of float32: 4 MB of a bf16 dump a block
 DUMP_ENCODING_PARAM = "eaglet_dump"
 """The request's ``sampling_params.custom_params`` key asking for an encoded dump; its one value is ``fp8``."""
 FP8_ENCODING = "fp8"
+AUX_ENCODING_PARAM = "eaglet_aux"
+"""The key asking for 4-bit auxiliary states; its one value is ``FP4_STORAGE``."""
 
 
 class DumpInvalid(ValueError):
@@ -54,13 +65,22 @@ class DumpEncoding:
     fp8: bool = False
     """The states fp8-encoded."""
     topk: int = 0
-    """The target's top-k distribution beside the states (k entries a token; 0: none)."""
+    """The target's top-k distribution in place of the final state (k entries a token; 0: none, the final state)."""
+    aux_fp4: bool = False
+    """The auxiliary states 4-bit encoded (shared/fp4.py)."""
+
+    def __post_init__(self) -> None:
+        if self.fp8 and self.aux_fp4:  # fp8 then 4-bit would round twice; the store refuses it too
+            raise ValueError(
+                f"{DUMP_ENCODING_PARAM}={FP8_ENCODING} with {AUX_ENCODING_PARAM}={FP4_STORAGE}: ask for one"
+            )
 
     def params(self) -> dict:
         """The request's ``sampling_params.custom_params`` entries asking for it."""
         return {
             **({DUMP_ENCODING_PARAM: FP8_ENCODING} if self.fp8 else {}),
             **({TOPK_PARAM: self.topk} if self.topk else {}),
+            **({AUX_ENCODING_PARAM: FP4_STORAGE} if self.aux_fp4 else {}),
         }
 
     @classmethod
@@ -75,13 +95,16 @@ class DumpEncoding:
                 check_k(topk, vocab_size)
             except TopkError as e:
                 raise ValueError(f"custom_params.{TOPK_PARAM}={topk}: {e}") from e
-        return cls(fp8=params.get(DUMP_ENCODING_PARAM) == FP8_ENCODING, topk=topk)
+        aux = params.get(AUX_ENCODING_PARAM)
+        if aux not in (None, FP4_STORAGE):
+            raise ValueError(f"custom_params.{AUX_ENCODING_PARAM}={aux!r}: the one value is {FP4_STORAGE!r}")
+        return cls(fp8=params.get(DUMP_ENCODING_PARAM) == FP8_ENCODING, topk=topk, aux_fp4=aux == FP4_STORAGE)
 
 
 @dataclass
 class Dump:
-    hidden_states: torch.Tensor  # [T, H]
-    aux_hidden_states: torch.Tensor  # [T, 3H]
+    hidden_states: torch.Tensor | None  # [T, H]; None in a dump of the top-k in its place
+    aux_hidden_states: torch.Tensor | None  # [T, 3H]; None in a dump of 4-bit aux states (``aux_fp4``)
     metadata: dict[str, str]
     slices: dict[str, FileSlice] = field(default_factory=dict)
     """Where the tensors lie in the dump file: a store that keeps them as they are copies these."""
@@ -89,10 +112,32 @@ class Dump:
     """``hidden_states_scale`` and ``aux_hidden_states_scale`` [T, 1] of an fp8 dump; empty otherwise."""
     topk: dict[str, torch.Tensor] = field(default_factory=dict)
     """``topk_ids`` and ``topk_logp`` [T, k] of a dump that was asked for them; empty otherwise."""
+    aux_fp4: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``aux_hidden_states_e2m1`` and ``aux_hidden_states_block_scale`` of 4-bit aux states; empty otherwise."""
 
     @property
     def fp8(self) -> bool:
         return self.metadata.get("storage") == FP8_STORAGE
+
+    @property
+    def full_width(self) -> dict[str, torch.Tensor]:
+        """The states the dump holds at full width (in the model dtype or fp8), by name."""
+        pairs = zip(STATE_TENSORS, (self.hidden_states, self.aux_hidden_states), strict=True)
+        return {k: t for k, t in pairs if t is not None}
+
+    @property
+    def states(self) -> dict[str, torch.Tensor]:
+        """Every state tensor the dump holds, by name, as the store takes them (shared/store.py)."""
+        return {**self.full_width, **self.scales, **self.topk, **self.aux_fp4}
+
+    @property
+    def hidden_size(self) -> int:
+        """H, read from whichever state the dump holds (the aux states are 3H wide; 4-bit codes hold two a byte)."""
+        if self.hidden_states is not None:
+            return self.hidden_states.shape[-1]
+        if self.aux_hidden_states is not None:
+            return self.aux_hidden_states.shape[-1] // 3
+        return 2 * self.aux_fp4[FP4_AUX_TENSORS[0]].shape[-1] // 3
 
     @property
     def aux_layer_ids(self) -> list[int]:
@@ -106,39 +151,67 @@ def dump_path(dump_dir: Path, rid: str) -> Path:
 def write_dump(
     dump_dir: Path,
     rid: str,
-    hidden_states: torch.Tensor,
-    aux_hidden_states: torch.Tensor,
+    hidden_states: torch.Tensor | None,
+    aux_hidden_states: torch.Tensor | None,
     *,
     aux_layer_ids: list[int],
     model: str,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scales: tuple[torch.Tensor | None, torch.Tensor] | None = None,
     model_dtype: torch.dtype | None = None,
     topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    aux_fp4: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Path:
-    """Writes one request's dump atomically and returns its path. No fsync: the dump dir is shared memory.
+    """Writes one request's dump atomically and returns its path (``write_dump_parts``).
 
     ``scales`` (of ``hidden_states``, of ``aux_hidden_states``): the states are fp8-encoded (``encode_fp8``);
     ``model_dtype`` then names the dtype they were encoded from. ``topk``: (ids, log-probs) [T, k] of the target's
-    top-k distribution (``encode_topk``)."""
-    final = dump_path(dump_dir, rid)
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    top-k distribution (``encode_topk``), ``hidden_states`` then None. ``aux_fp4``: the aux states 4-bit encoded
+    (codes, block scales; ``encode_fp4``), ``aux_hidden_states`` then None."""
+    named = [
+        (STATE_TENSORS, (hidden_states, aux_hidden_states)),
+        (tuple(f"{k}_scale" for k in STATE_TENSORS), scales or (None, None)),
+        (TOPK_TENSORS, topk or (None, None)),
+        (FP4_AUX_TENSORS, aux_fp4 or (None, None)),
+    ]
+    parts = {k: t for names, ts in named for k, t in zip(names, ts, strict=True) if t is not None}
+    return write_dump_parts(dump_dir, rid, parts, aux_layer_ids=aux_layer_ids, model=model, model_dtype=model_dtype)
+
+
+def write_dump_parts(
+    dump_dir: Path,
+    rid: str,
+    parts: dict[str, torch.Tensor],
+    *,
+    aux_layer_ids: list[int],
+    model: str,
+    model_dtype: torch.dtype | None = None,
+) -> Path:
+    """Writes one request's dump, its tensors by name, atomically; returns its path. The metadata follows from the
+    names: fp8 states have scales, a top-k dump ``topk_ids``, 4-bit aux states their codes. No fsync: the dump dir is
+    shared memory."""
+    if "hidden_states" not in parts and TOPK_TENSORS[0] not in parts:
+        raise ValueError(f"dump {rid}: neither the final state nor its top-k")
+    if ("aux_hidden_states" in parts) == (FP4_AUX_TENSORS[0] in parts):
+        raise ValueError(f"dump {rid}: give the aux states either at full width or 4-bit encoded")
+    dtype = model_dtype or next((parts[k].dtype for k in STATE_TENSORS if k in parts), None)
+    if dtype is None:
+        raise ValueError(f"dump {rid}: no full-width state to read the model's dtype from; give model_dtype")
+    tensors = {k: t.contiguous() for k, t in parts.items()}
     metadata = {
         "rid": rid,
-        "num_tokens": str(hidden_states.shape[0]),
+        "num_tokens": str(next(iter(tensors.values())).shape[0]),
         "aux_layer_ids": json.dumps(list(aux_layer_ids)),
         "model": model,
-        "dtype": str(model_dtype or hidden_states.dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
     }
-    tensors = {
-        "hidden_states": hidden_states.contiguous(),
-        "aux_hidden_states": aux_hidden_states.contiguous(),
-    }
-    if scales is not None:
-        tensors["hidden_states_scale"], tensors["aux_hidden_states_scale"] = (t.contiguous() for t in scales)
+    if "aux_hidden_states_scale" in tensors:
         metadata["storage"] = FP8_STORAGE
-    if topk is not None:
-        tensors.update(zip(TOPK_TENSORS, (t.contiguous() for t in topk), strict=True))
-        metadata["topk"] = str(topk[0].shape[1])
+    if TOPK_TENSORS[0] in tensors:
+        metadata["topk"] = str(tensors[TOPK_TENSORS[0]].shape[1])
+    if FP4_AUX_TENSORS[0] in tensors:
+        metadata["aux_storage"] = FP4_STORAGE
+    final = dump_path(dump_dir, rid)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
         os.chmod(tmp, 0o644)  # the reader may be another user (the extractor's container)
@@ -153,44 +226,61 @@ def read_dump(path: Path) -> Dump:
     try:
         header = read_header(path)
         tensors = map_tensors(header)
-        names = [*STATE_TENSORS, *(f"{k}_scale" for k in STATE_TENSORS if f"{k}_scale" in tensors)]
-        slices = {k: header.slices[k] for k in names}
-        scales = {k: tensors[k] for k in names[len(STATE_TENSORS) :]}
+        scales = {k: tensors[k] for k in (f"{n}_scale" for n in STATE_TENSORS) if k in tensors}
         topk = {k: tensors[k] for k in TOPK_TENSORS if k in tensors}
-        return Dump(tensors["hidden_states"], tensors["aux_hidden_states"], header.metadata, slices, scales, topk)
+        aux_fp4 = {k: tensors[k] for k in FP4_AUX_TENSORS if k in tensors}
+        full = [tensors.get(k) for k in STATE_TENSORS]
+        if full[1] is None and not aux_fp4:
+            raise KeyError("aux_hidden_states")
+        slices = {k: header.slices[k] for k in tensors if k in header.slices}
+        return Dump(full[0], full[1], header.metadata, slices, scales, topk, aux_fp4)
     except (TensorFileError, KeyError, ValueError, OSError) as e:
         raise DumpInvalid(f"dump {path.name}: unreadable ({type(e).__name__}: {e})") from e
 
 
 def validate_dump(
     dump: Dump, *, rid: str, num_tokens: int, hidden_size: int, num_aux: int = 3, topk: int = 0,
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, aux_fp4: bool = False,
 ) -> None:  # fmt: skip
-    """Raises ``DumpInvalid`` with the reason unless the dump is this request's, whole and finite, with the top-k
-    distribution of ``topk`` entries over ``vocab_size`` tokens it was asked for (``topk`` > 0)."""
+    """Raises ``DumpInvalid`` with the reason unless the dump is this request's, whole and finite, with what it was
+    asked for: the top-k distribution of ``topk`` entries over ``vocab_size`` tokens (``topk`` > 0; else the final
+    state), the aux states 4-bit encoded (``aux_fp4``; else at full width)."""
     where = f"dump {rid}"
     if topk:
         _validate_topk(dump, where, num_tokens, topk, vocab_size)
     got_rid = dump.metadata.get("rid")
     if got_rid != rid:
         raise DumpInvalid(f"{where}: metadata rid is {got_rid!r}")
-    h, aux = dump.hidden_states, dump.aux_hidden_states
-    if tuple(h.shape) != (num_tokens, hidden_size):
-        raise DumpInvalid(f"{where}: hidden_states shape {tuple(h.shape)}, expected ({num_tokens}, {hidden_size})")
-    if tuple(aux.shape) != (num_tokens, num_aux * hidden_size):
-        raise DumpInvalid(
-            f"{where}: aux_hidden_states shape {tuple(aux.shape)}, expected ({num_tokens}, {num_aux * hidden_size})"
-        )
-    if h.dtype != aux.dtype or not h.dtype.is_floating_point:
-        raise DumpInvalid(f"{where}: dtypes {h.dtype} / {aux.dtype}, expected one floating dtype")
+    if not topk and dump.hidden_states is None:
+        raise DumpInvalid(f"{where}: holds no hidden_states (the final state), and no top-k was asked for")
+    if aux_fp4 != bool(dump.aux_fp4):
+        raise DumpInvalid(f"{where}: aux states {'4-bit' if dump.aux_fp4 else 'at full width'}, but "
+                          f"{'4-bit' if aux_fp4 else 'full width'} was asked for")  # fmt: skip
+    if aux_fp4:
+        try:
+            check_fp4(*(dump.aux_fp4[k] for k in FP4_AUX_TENSORS), rows=num_tokens, width=num_aux * hidden_size,
+                      where=where)  # fmt: skip
+        except Fp4Error as e:
+            raise DumpInvalid(str(e)) from e
+    widths = {"hidden_states": hidden_size, "aux_hidden_states": num_aux * hidden_size}
+    full = dump.full_width
+    for name, t in full.items():
+        if tuple(t.shape) != (num_tokens, widths[name]):
+            raise DumpInvalid(f"{where}: {name} shape {tuple(t.shape)}, expected ({num_tokens}, {widths[name]})")
+    dtypes = {t.dtype for t in full.values()}
+    if len(dtypes) > 1 or not all(d.is_floating_point for d in dtypes):
+        raise DumpInvalid(f"{where}: dtypes {' / '.join(str(t.dtype) for t in full.values())}, expected one "
+                          "floating dtype")  # fmt: skip
     if dump.metadata.get("num_tokens") != str(num_tokens):
         raise DumpInvalid(f"{where}: metadata num_tokens {dump.metadata.get('num_tokens')!r}, expected {num_tokens}")
-    if (h.dtype == FP8) != dump.fp8:
-        raise DumpInvalid(f"{where}: states are {h.dtype} but metadata storage is {dump.metadata.get('storage')!r}")
+    if any((d == FP8) != dump.fp8 for d in dtypes):
+        raise DumpInvalid(
+            f"{where}: states are {dtypes.pop()} but metadata storage is {dump.metadata.get('storage')!r}"
+        )
     if dump.fp8:
-        _validate_fp8(dump, where, num_tokens)
+        _validate_fp8(dump, full, where, num_tokens)
         return
-    for name, t in (("hidden_states", h), ("aux_hidden_states", aux)):
+    for name, t in full.items():
         for rows in row_blocks(t, FINITE_CHECK_BYTES):
             block = t[rows]
             # A sum is finite only if every term is: one fast pass. Only a block whose sum is not (a NaN or Inf,
@@ -203,9 +293,9 @@ def validate_dump(
                 raise DumpInvalid(f"{where}: {name} has NaN/Inf (first at token {bad})")
 
 
-def _validate_fp8(dump: Dump, where: str, num_tokens: int) -> None:
+def _validate_fp8(dump: Dump, full: dict[str, torch.Tensor], where: str, num_tokens: int) -> None:
     """An fp8 dump: finite positive scales, and no NaN among the values (e4m3fn has no infinity)."""
-    for name in STATE_TENSORS:
+    for name, values in full.items():
         scale = dump.scales.get(f"{name}_scale")
         if scale is None or tuple(scale.shape) != (num_tokens, 1) or scale.dtype != torch.float32:
             got = None if scale is None else (tuple(scale.shape), scale.dtype)
@@ -214,7 +304,6 @@ def _validate_fp8(dump: Dump, where: str, num_tokens: int) -> None:
         if bool(bad.any()):
             first = int(bad.nonzero()[0, 0])
             raise DumpInvalid(f"{where}: {name}_scale is not finite and positive (first at token {first})")
-        values = getattr(dump, name)
         for rows in row_blocks(values, FINITE_CHECK_BYTES):
             nan = (values[rows].view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn's only non-finite codes
             if bool(nan.any()):

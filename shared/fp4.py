@@ -6,8 +6,9 @@ amax / 6, so the block's largest magnitude maps to 6 and a row's outlier feature
 stream that are 100x the rest) cost only their own block's precision. Per element: 4 bits + 16 / 32 bits of scale,
 0.5625 bytes, 0.28 of bf16.
 
-Plain torch ops throughout: the workers run it on the CPU and a server may run it on its GPU before the copy to the
-host; both round the same way (round to nearest magnitude, ties to the smaller: ``magnitude_codes``).
+Plain torch ops throughout: the workers may run it on the CPU and the servers run it on their GPU before the copy to
+the host (shared/dumpfile.py); both round the same way (to the nearest magnitude, ties to the smaller:
+``magnitude_codes``).
 Every 4-bit code decodes to a finite number, so a block is corrupt only through its scale (``check_fp4``).
 """
 
@@ -19,26 +20,31 @@ from .tensorfile import row_blocks
 FP4_MAX = 6.0
 SCALE_DTYPE = torch.bfloat16
 _MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_INV_MAX = 1.0 / FP4_MAX
 _BLOCK_BYTES = 1 << 20
+FP4_DEVICE_BLOCK_BYTES = 128 << 20
+"""Rows a block when a server encodes on its GPU: float32 temporaries of a few times this, beside the model."""
 
 
 class Fp4Error(ValueError):
     """States that cannot be stored or read as block-scaled 4-bit: a width no block divides, a corrupt scale."""
 
 
-def encode_fp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> (uint8 codes [T, D/2], bfloat16 scales [T, D/32]) on x's device, x ≈ decode_fp4(codes, scales)."""
+def encode_fp4(x: torch.Tensor, block_bytes: int = _BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (uint8 codes [T, D/2], bfloat16 scales [T, D/32]) on x's device, x ≈ decode_fp4(codes, scales).
+    ``block_bytes``: of x's rows at a time (a GPU wants large blocks: each is some ten kernel launches)."""
     T, D = x.shape
     if D % FP4_BLOCK:
         raise Fp4Error(f"states {D} wide: 4-bit storage needs a width divisible by {FP4_BLOCK}")
     codes = torch.empty(T, D // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(T, D // FP4_BLOCK, dtype=SCALE_DTYPE, device=x.device)
-    for rows in row_blocks(x, _BLOCK_BYTES):
+    for rows in row_blocks(x, block_bytes):
         block = x[rows].to(torch.float32).view(-1, D // FP4_BLOCK, FP4_BLOCK)  # [t, blocks, 32]
         amax = block.abs().amax(-1, keepdim=True)
         # the scale is rounded to bfloat16 first and the values divided by the rounded one, so decode's product
-        # is what was encoded; an all-zero block gets scale 1 (every scale stored is positive)
-        s = torch.where(amax > 0, amax / FP4_MAX, 1.0).to(SCALE_DTYPE)
+        # is what was encoded; an all-zero block gets scale 1 (every scale stored is positive). amax times 1/6, not
+        # amax / 6: CUDA turns a division by a scalar into that product, so both devices give the same bits.
+        s = torch.where(amax > 0, amax * _INV_MAX, 1.0).to(SCALE_DTYPE)
         scales[rows] = s.view(-1, D // FP4_BLOCK)
         scaled = block / s.to(torch.float32)
         code = magnitude_codes(scaled.abs()) | ((scaled < 0).to(torch.uint8) << 3)

@@ -31,7 +31,7 @@ from eaglet.shared.dumpfile import (
     validate_dump,
 )
 from eaglet.shared.ids import make_rid
-from eaglet.shared.layout import Layout
+from eaglet.shared.layout import FP4_BLOCK, NUM_AUX, Layout
 from eaglet.shared.records import RunMeta
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import Sample, SampleSet
@@ -162,29 +162,33 @@ class Extractor:
         store = self.store_dtype_of(state)
         meta = self._run_meta(state)
         layout = Layout.from_options(meta.options)
-        # The server computes on its device what saves host work: the top-k distribution (it alone has the LM head),
-        # and fp8 states (half the bytes to move and write); 4-bit aux states are encoded here, from full width.
-        encoding = DumpEncoding(fp8=store == "fp8" and layout.aux == "full", topk=layout.topk)
+        # The server computes on its device what saves host work: the top-k distribution in place of the final state
+        # (it alone has the LM head), fp8 states (half the bytes to move and write), 4-bit aux states (a quarter).
+        # A run storing fp8 with 4-bit aux states gets its final state at full width and encodes it here: fp8 then
+        # 4-bit would round the aux states twice.
+        encoding = DumpEncoding(fp8=store == "fp8" and layout.aux == "full", topk=layout.topk,
+                                aux_fp4=layout.aux == "fp4")  # fmt: skip
+        if encoding.aux_fp4 and (NUM_AUX * meta.hidden_size) % FP4_BLOCK:
+            raise SampleRejected(f"sample {sample.sample_id}: the run stores 4-bit aux states (store_aux fp4), which "
+                                 f"need {NUM_AUX} x hidden size {meta.hidden_size} in blocks of {FP4_BLOCK}: use "
+                                 "store_aux full for this target")  # fmt: skip
         try:
             self._prefill(rid, sample, encoding)
             lap("prefill")
             dump = self._wait_for_dump(dump_file, rid)
             lap("dump_wait")
             validate_dump(dump, rid=rid, num_tokens=len(sample.input_ids), hidden_size=meta.hidden_size,
-                          topk=layout.topk, vocab_size=meta.vocab_size)  # fmt: skip
+                          topk=layout.topk, vocab_size=meta.vocab_size, aux_fp4=encoding.aux_fp4)  # fmt: skip
             if dump.fp8 != encoding.fp8:
                 raise DumpInvalid(f"dump {rid}: storage {dump.metadata.get('storage')!r}, but this worker asked for "
                                   f"{FP8_ENCODING if encoding.fp8 else 'full width'}")  # fmt: skip
             self._check_layers(state, sample, dump, rid)
-            self.captured = (dump.hidden_states.shape[-1], dump.aux_layer_ids)
+            self.captured = (dump.hidden_size, dump.aux_layer_ids)
             lap("check")
             tensors = {
                 "input_ids": torch.from_numpy(sample.input_ids),
                 "loss_mask": torch.from_numpy(sample.loss_mask),
-                "hidden_states": dump.hidden_states,
-                "aux_hidden_states": dump.aux_hidden_states,
-                **dump.scales,
-                **dump.topk,
+                **dump.states,
             }
             metadata = {**dump.metadata, "run_id": state.run_id, "sample_id": sample.sample_id}
             try:

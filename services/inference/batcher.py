@@ -161,5 +161,6 @@ class Batcher:
             scales=prefill.scales,
             model_dtype=self.engine.dtype,
             topk=prefill.topk,
+            aux_fp4=prefill.aux_fp4,
         )
         return self.writer.submit(prefill.nbytes, write, f"rid {rid}")

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglet.shared.dumpfile import DumpEncoding
+from eaglet.shared.fp4 import FP4_DEVICE_BLOCK_BYTES, encode_fp4
 from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.store import FP8_BLOCK_BYTES, FP8_DEVICE_BLOCK_BYTES, encode_fp8
 from eaglet.shared.topk import encode_topk
@@ -23,18 +24,23 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Prefill:
-    hidden_states: torch.Tensor  # [T, H], on the CPU
-    aux_hidden_states: torch.Tensor  # [T, 3H], on the CPU
+    """One prompt's states on the CPU, in the forms its ``DumpEncoding`` asked for (shared/dumpfile.py)."""
+
+    hidden_states: torch.Tensor | None  # [T, H]; None when the top-k replaces it
+    aux_hidden_states: torch.Tensor | None  # [T, 3H]; None when 4-bit encoded (``aux_fp4``)
     next_token: int
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Of hidden_states and aux_hidden_states [T, 1], when they are fp8-encoded (shared/dumpfile.py)."""
+    scales: tuple[torch.Tensor | None, torch.Tensor] | None = None
+    """Of hidden_states (None without it) and aux_hidden_states [T, 1], when they are fp8-encoded."""
     topk: tuple[torch.Tensor, torch.Tensor] | None = None
     """The target's top-k distribution (ids, log-probs) [T, k], when asked for (shared/topk.py)."""
+    aux_fp4: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The aux states 4-bit encoded (codes, block scales; shared/fp4.py), when asked for."""
 
     @property
     def nbytes(self) -> int:
-        parts = (self.hidden_states, self.aux_hidden_states, *(self.scales or ()), *(self.topk or ()))
-        return sum(t.nbytes for t in parts)
+        parts = (self.hidden_states, self.aux_hidden_states, *(self.scales or ()), *(self.topk or ()),
+                 *(self.aux_fp4 or ()))  # fmt: skip
+        return sum(t.nbytes for t in parts if t is not None)
 
 
 class ReferenceEngine:
@@ -57,7 +63,8 @@ class ReferenceEngine:
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], encodings: list[DumpEncoding] | None = None) -> list[Prefill]:
         """One forward over a right-padded batch; each prompt gets its own rows back, with what its encoding asks
-        for computed on the device before the copy to the host: the top-k distribution, fp8-encoded states."""
+        for computed on the device before the copy to the host: the top-k distribution in place of the final state,
+        fp8-encoded states, 4-bit aux states."""
         lengths = [len(p) for p in prompts]
         ids = torch.full((len(prompts), max(lengths)), self.tokenizer.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -71,20 +78,41 @@ class ReferenceEngine:
         aux = torch.cat([out.hidden_states[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
         last = final[torch.arange(len(prompts)), torch.tensor(lengths) - 1]  # [B, H]
         next_tokens = self.model.lm_head(last).argmax(-1).tolist()
-        out = []
-        for i, n in enumerate(lengths):
-            encoding = encodings[i] if encodings else DumpEncoding()
-            topk = None
-            if encoding.topk:
-                ids, logp = encode_topk(final[i, :n], self.model.lm_head.weight, encoding.topk)
-                topk = (ids.cpu(), logp.cpu())
-            if encoding.fp8:
-                block = FP8_DEVICE_BLOCK_BYTES if self.device.type == "cuda" else FP8_BLOCK_BYTES
-                (h, h_scale), (a, a_scale) = encode_fp8(final[i, :n], block), encode_fp8(aux[i, :n], block)
-                out.append(Prefill(h.cpu(), a.cpu(), next_tokens[i], (h_scale.cpu(), a_scale.cpu()), topk))
-            else:
-                out.append(Prefill(final[i, :n].cpu(), aux[i, :n].cpu(), next_tokens[i], topk=topk))
-        return out
+        return [
+            self._encode(final[i, :n], aux[i, :n], next_tokens[i], encodings[i] if encodings else DumpEncoding())
+            for i, n in enumerate(lengths)
+        ]
+
+    def _encode(self, final: torch.Tensor, aux: torch.Tensor, next_token: int, encoding: DumpEncoding) -> Prefill:
+        """One prompt's states in the forms ``encoding`` asks for, computed on the device, then copied to the host."""
+        gpu = self.device.type == "cuda"
+        topk = aux_fp4 = h_scale = a_scale = None
+        h: torch.Tensor | None = final
+        a: torch.Tensor | None = aux
+        if encoding.topk:
+            topk = encode_topk(final, self.model.lm_head.weight, encoding.topk)
+            h = None  # the top-k replaces the final state
+        if encoding.aux_fp4:
+            aux_fp4 = encode_fp4(aux, FP4_DEVICE_BLOCK_BYTES) if gpu else encode_fp4(aux)
+            a = None
+        if encoding.fp8:
+            block = FP8_DEVICE_BLOCK_BYTES if gpu else FP8_BLOCK_BYTES
+            if h is not None:
+                h, h_scale = encode_fp8(h, block)
+            if a is not None:
+                a, a_scale = encode_fp8(a, block)
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.cpu()
+
+        return Prefill(
+            host(h),
+            host(a),
+            next_token,
+            scales=(host(h_scale), a_scale.cpu()) if a_scale is not None else None,
+            topk=(topk[0].cpu(), topk[1].cpu()) if topk else None,
+            aux_fp4=(aux_fp4[0].cpu(), aux_fp4[1].cpu()) if aux_fp4 else None,
+        )
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float):

@@ -25,7 +25,7 @@ from eaglet.shared.layers import default_layer_ids
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 CASES = Path(__file__).with_name("test_sglang_plugin_cases.py")
-H = 8  # hidden size of the stand-in model (as in the cases)
+H = 32  # hidden size of the stand-in model (as in the cases)
 LAYERS = 8  # -> EAGLE-3 layers [2, 4, 5]
 
 
@@ -193,9 +193,44 @@ def test_topk_asked_is_computed_before_the_copy_from_the_model_directorys_head(s
         dump = read_dump(dump_path(dumps, rid))
         validate_dump(dump, rid=rid, num_tokens=n, hidden_size=H, topk=k, vocab_size=head.shape[0])
         assert dump.fp8 == (k == 3) and dump.metadata["topk"] == str(k)
+        assert dump.hidden_states is None  # the top-k replaces the final state: it never leaves the device
         ids, logp = encode_topk(plain.hidden_states, head, k)
         assert torch.equal(dump.topk["topk_ids"], ids)
         assert torch.equal(dump.topk["topk_logp"], logp)
+
+
+def test_default_layout_asked_dumps_the_topk_and_4bit_aux_states_the_store_keeps(sglang_cases):
+    """The default layout's request, over two chunks beside others: no final state, the aux states as the workers'
+    4-bit encoder makes them of the full-width ones, the top-k as above; the worker's check of such a run accepts it,
+    and the store keeps the dump's tensors as they are."""
+    import torch
+
+    from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump
+    from eaglet.shared.fp4 import encode_fp4
+    from eaglet.shared.layout import Layout
+    from eaglet.shared.store import FP4_AUX_TENSORS, encode_states
+    from eaglet.shared.targettensors import load_target_tensors
+    from eaglet.shared.topk import encode_topk
+
+    results, dumps = sglang_cases
+    case = results["topk"]
+    head = load_target_tensors(Path(case["model_dir"]))["lm_head"]
+    n = len(case["prompt"])
+    plain = read_dump(dump_path(dumps, case["plain_rid"]))
+    rid = case["default_rid"]
+    dump = read_dump(dump_path(dumps, rid))
+    validate_dump(dump, rid=rid, num_tokens=n, hidden_size=H, topk=4, vocab_size=head.shape[0], aux_fp4=True)
+    assert dump.hidden_states is None and dump.aux_hidden_states is None and dump.hidden_size == H
+    assert dump.metadata["aux_storage"] == "e2m1_b32" and dump.metadata["dtype"] == "bfloat16"
+    for got, want in zip((dump.aux_fp4[k] for k in FP4_AUX_TENSORS), encode_fp4(plain.aux_hidden_states), strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(dump.topk.values(), encode_topk(plain.hidden_states, head, 4), strict=True):
+        assert torch.equal(got, want)
+    tensors = {"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.uint8), **dump.states}
+    stored, _ = encode_states(tensors, dump.metadata, "model", Layout(final="topk", topk=4, aux="fp4"))
+    assert all(stored[k] is dump.states[k] for k in (*FP4_AUX_TENSORS, *dump.topk))
+    with pytest.raises(Exception, match="4-bit was asked for|full width was asked for"):
+        validate_dump(plain, rid=case["plain_rid"], num_tokens=n, hidden_size=H, aux_fp4=True)
 
 
 def test_topk_without_a_safetensors_model_path_writes_no_dump_and_says_why_once(sglang_cases):

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-H = 8  # hidden size of the stand-in model
+H = 32  # hidden size of the stand-in model (4-bit aux states need 3H in blocks of 32)
 LAYERS = 8  # -> EAGLE-3 layers [2, 4, 5]
 VOCAB = 300  # of the stand-in model directory's LM head
 
@@ -275,9 +275,16 @@ def _cases(out: Path) -> dict:
     top = req("eaglet:run1:s-topk:0", pk, sampling({"eaglet_topk": 5}))
     both = req("eaglet:run1:s-topk-fp8:0", pk, sampling({"eaglet_topk": 3, "eaglet_dump": "fp8"}))
     plain = req("eaglet:run1:s-no-topk:0", pk)
+    # the default layout's request: the top-k in place of the final state, the aux states 4-bit encoded
+    default = req("eaglet:run1:s-default:0", pk, sampling({"eaglet_topk": 4, "eaglet_aux": "e2m1_b32"}))
     wk = new_worker(dtype=torch.bfloat16, model_path=str(model_dir))
     exists = []
-    for parts in ([(top, 0, 4), (plain, 0, 5)], [(plain, 5, 5), (top, 4, 4), (both, 0, 10)], [(top, 8, 2)]):
+    chunks = (
+        [(top, 0, 4), (plain, 0, 5), (default, 0, 6)],
+        [(plain, 5, 5), (top, 4, 4), (both, 0, 10), (default, 6, 4)],
+        [(top, 8, 2)],
+    )
+    for parts in chunks:
         forward(wk, parts)
         exists.append(f"{top.rid}.safetensors" in files())
     results["topk"] = {
@@ -285,6 +292,7 @@ def _cases(out: Path) -> dict:
         "prompt": pk,
         "rids": {top.rid: 5, both.rid: 3},
         "plain_rid": plain.rid,
+        "default_rid": default.rid,
         "exists_after_chunk": exists,
     }
 

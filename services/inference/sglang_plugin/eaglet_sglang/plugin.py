@@ -14,7 +14,8 @@
 
 What a request asks computed on the device (``custom_params``, shared/dumpfile.py ``DumpEncoding``) is computed
 in the forward hook, on the forward's outputs, before the copy to the host: fp8-encoded states (the store's
-encoder), and the target's top-k distribution (``encode_topk``, from the final states before any encoding). The
+encoder), 4-bit aux states (shared/fp4.py), and the target's top-k distribution in place of the final state
+(``encode_topk``, from the final states before any encoding). The
 top-k needs the target's LM head over its whole real vocabulary, the one the trainer uses; SGLang's own is padded
 and sharded across TP ranks (and Gemma's class scores with its embedding), so the writer rank reads it from the
 server's model directory (shared/targettensors.py, as the trainer does) at its first top-k request and keeps it on its
@@ -35,11 +36,13 @@ import torch
 
 from eaglet.shared.dumpfile import DumpEncoding
 from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES, DEFAULT_THREADS, DumpWriter
+from eaglet.shared.fp4 import FP4_DEVICE_BLOCK_BYTES, encode_fp4
 from eaglet.shared.ids import is_eaglet_rid
 from eaglet.shared.layers import default_layer_ids, layer_ids_problem, sglang_arg_ids
-from eaglet.shared.store import FP8_DEVICE_BLOCK_BYTES, encode_fp8
+from eaglet.shared.layout import FP4_BLOCK
+from eaglet.shared.store import FP4_AUX_TENSORS, FP8_DEVICE_BLOCK_BYTES, encode_fp8
 from eaglet.shared.targettensors import load_target_tensors
-from eaglet.shared.topk import TOPK_PARAM, encode_topk
+from eaglet.shared.topk import TOPK_PARAM, TOPK_TENSORS, encode_topk
 from eaglet_sglang import versions
 from eaglet_sglang.collector import Collector, Rows, plan_rows
 from eaglet_sglang.writer import DumpJob, HostChunk, copy_rows, record_event
@@ -268,25 +271,24 @@ class DumpPlugin:
             self._warn_once(problem)
             return
         encodings = snapshot.encodings
-        encoded = None
-        if any(encodings[r.rid].fp8 for r in snapshot.rows):
-            # On the device, before the copy: half the bytes through PCIe, pinned memory, the dump and the disk.
-            (aux_fp8, aux_scale) = encode_fp8(aux[:needed], FP8_DEVICE_BLOCK_BYTES)
-            (final_fp8, final_scale) = encode_fp8(final[:needed], FP8_DEVICE_BLOCK_BYTES)
-            encoded = (aux_fp8, final_fp8, aux_scale, final_scale)
+        rows = snapshot.rows
+        if aux.shape[-1] % FP4_BLOCK and any(encodings[r.rid].aux_fp4 for r in rows):
+            self._warn_once(f"4-bit aux states asked, but the aux states are {aux.shape[-1]} wide, not a multiple of "
+                            f"{FP4_BLOCK}: those requests get no dump")  # fmt: skip
+            rows = [r for r in rows if not encodings[r.rid].aux_fp4]
+            if not rows:
+                return
+        device = _encode(aux[:needed], final[:needed], [_parts(e) for e in encodings.values()])
         topk = self._topk(info, snapshot, final) if any(e.topk for e in encodings.values()) else {}
         copies = []
-        for r in snapshot.rows:
-            sources = encoded if encoded is not None and encodings[r.rid].fp8 else (aux, final)
-            host = [copy_rows(t, r.start, r.length) for t in sources]
-            host_topk = None
+        for r in rows:
+            host = {name: copy_rows(device[form], r.start, r.length) for name, form in _parts(encodings[r.rid]).items()}
             if r.rid in topk:
-                ids, logp = topk[r.rid]
-                host_topk = (copy_rows(ids, 0, r.length), copy_rows(logp, 0, r.length))
-            copies.append((r, host, host_topk))
+                host.update(zip(TOPK_TENSORS, (copy_rows(t, 0, r.length) for t in topk[r.rid]), strict=True))
+            copies.append((r, host))
         event = record_event(aux.device)
-        for rows, host, host_topk in copies:
-            done = self.collector.add(rows, HostChunk(host[0], host[1], event, *host[2:], topk=host_topk))
+        for rows, host in copies:
+            done = self.collector.add(rows, HostChunk(host, event))
             if done is not None:
                 job = DumpJob(done.rid, done.chunks, info.layer_ids, info.model, aux.dtype)
                 # Blocks while the writer holds its cap of bytes: the forwards slow to the disk's pace.
@@ -460,3 +462,33 @@ def is_writer_rank() -> bool:
         parallel_state.get_attn_tensor_model_parallel_rank() == 0
         and parallel_state.get_attn_context_model_parallel_rank() == 0
     )
+
+
+def _parts(encoding: DumpEncoding) -> dict[str, str]:
+    """The dump's state tensors a request asks for: name in the dump -> the form ``_encode`` computes (the top-k,
+    when asked, comes apart: ``_topk``)."""
+    parts = {} if encoding.topk else {"hidden_states": "final"}  # the top-k replaces the final state
+    if encoding.aux_fp4:
+        parts.update(zip(FP4_AUX_TENSORS, ("aux_e2m1", "aux_block_scale"), strict=True))
+    else:
+        parts["aux_hidden_states"] = "aux"
+    if encoding.fp8:
+        for name in list(parts):
+            parts[f"{name}_scale"] = f"{parts[name]}_fp8_scale"
+            parts[name] += "_fp8"
+    return parts
+
+
+def _encode(aux: torch.Tensor, final: torch.Tensor, wanted: list[dict[str, str]]) -> dict[str, torch.Tensor]:
+    """The forward's states (all its rows) in every form ``wanted`` names, on the device, before the copy: one pass
+    over the rows a form (a request's rows are sliced out at the copy)."""
+    forms = set().union(*(w.values() for w in wanted))
+    out = {"final": final, "aux": aux}
+    for name, states in (("final", final), ("aux", aux)):
+        if f"{name}_fp8" in forms:
+            # half the bytes through PCIe, pinned memory, the dump and the disk
+            out[f"{name}_fp8"], out[f"{name}_fp8_scale"] = encode_fp8(states, FP8_DEVICE_BLOCK_BYTES)
+    if "aux_e2m1" in forms:
+        # a quarter of the aux states' bytes to copy and write, and no 4-bit encoding on the workers' cores
+        out["aux_e2m1"], out["aux_block_scale"] = encode_fp4(aux, FP4_DEVICE_BLOCK_BYTES)
+    return out
