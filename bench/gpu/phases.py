@@ -731,11 +731,17 @@ def pipeline_reps(
 
 
 def phase_layoutspeed8b() -> None:
-    """The default storage layout's pipeline at the 8B shape, repeated: the plugin computes the top-24 on the GPU,
-    the workers encode the auxiliary states to 4 bits on the host (their CPU is its likely ceiling)."""
+    """The default storage layout's pipeline at the 8B shape, repeated: the plugin computes the top-24 in place of the
+    final state and the 4-bit aux states on the GPU; both checked first against the workers' encoders."""
+    R = RESULTS.setdefault("layoutspeed8b", {})
     redis_up()
-    RESULTS.setdefault("layoutspeed8b", {})
+    from eaglet.shared.runoptions import DEFAULT_TOPK
+
+    R["encoders_vs_cpu"] = layout_bits_check(l8b_prompts(8, 98), DEFAULT_TOPK)  # a fault shows first
+    save("layoutspeed8b")
     pipeline_reps("layoutspeed8b", "bf16", MODELS / "l8b", int(os.environ.get("NPIPE8B", "1200")), store_options={})
+    stop("s8b-plugin")
+    save("layoutspeed8b")
 
 
 class Sampler:
@@ -823,17 +829,7 @@ def fp8_bits_check(prompts: list[list[int]]) -> dict:
     client = httpx.Client(base_url=f"http://127.0.0.1:{SGL_PORT}", timeout=600)
     same_tensor = equal = checked = forwards_agree = 0
     for i, ids in enumerate(prompts):
-        paths = []
-        kinds = (("w", {}), ("v", {}), ("e", {"custom_params": {"eaglet_dump": "fp8"}}))
-        for kind, params in kinds:
-            rid = f"eaglet:bits:{kind}{i}:0"
-            sp = {"max_new_tokens": 1, "temperature": 0, **params}
-            client.post("/generate", json={"input_ids": ids, "rid": rid, "sampling_params": sp}).raise_for_status()
-            path = DUMPS / f"{rid}.safetensors"
-            t = time.time()
-            while not path.exists() and time.time() - t < 60:
-                time.sleep(0.01)
-            paths.append(path)
+        paths = dumps_of(client, ids, f"{i}", {"w": {}, "v": {}, "e": {"eaglet_dump": "fp8"}})
         wide, again, enc = (read_dump(p) for p in paths)
         for name in ("hidden_states", "aux_hidden_states"):
             x = getattr(wide, name)
@@ -853,6 +849,56 @@ def fp8_bits_check(prompts: list[list[int]]) -> dict:
         "two_full_width_forwards_identical": forwards_agree,
         "plugin_fp8_dump_vs_cpu_encoding_of_full_width_dump_identical": equal,
     }
+
+
+def dumps_of(client: httpx.Client, ids: list[int], tag: str, kinds: dict[str, dict]) -> list[Path]:
+    """The plugin's dump of one prompt for each kind of request (its ``custom_params``), one after another."""
+    paths = []
+    for kind, params in kinds.items():
+        rid = f"eaglet:bits:{kind}{tag}:0"
+        sp = {"max_new_tokens": 1, "temperature": 0, "custom_params": params}
+        client.post("/generate", json={"input_ids": ids, "rid": rid, "sampling_params": sp}).raise_for_status()
+        path = DUMPS / f"{rid}.safetensors"
+        t = time.time()
+        while not path.exists() and time.time() - t < 60:
+            time.sleep(0.01)
+        paths.append(path)
+    return paths
+
+
+def layout_bits_check(prompts: list[list[int]], k: int) -> dict:
+    """The default layout's dump against the workers' CPU encoders on the full-width dump of the same prompt: the
+    4-bit aux states bit for bit; the top-k against ``encode_topk`` on the GPU from the full-width final states (the
+    plugin scores every asking request's rows in one product, whose kernel may round otherwise)."""
+    import torch
+
+    from eaglet.shared.dumpfile import read_dump
+    from eaglet.shared.fp4 import encode_fp4
+    from eaglet.shared.store import FP4_AUX_TENSORS
+    from eaglet.shared.targettensors import load_target_tensors
+    from eaglet.shared.topk import encode_topk
+
+    plugin_server(MODELS / "l8b")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{SGL_PORT}", timeout=600)
+    head = load_target_tensors(MODELS / "l8b", ("lm_head",))["lm_head"].cuda()
+    out = {"prompts": 0, "fp4_identical": 0, "final_state_omitted": 0, "topk_ids_equal_fraction": [],
+           "topk_logp_max_abs_diff": []}  # fmt: skip
+    for i, ids in enumerate(prompts):
+        paths = dumps_of(client, ids, f"l{i}", {"w": {}, "d": {"eaglet_topk": k, "eaglet_aux": "e2m1_b32"}})
+        wide, default = (read_dump(p) for p in paths)
+        out["prompts"] += 1
+        codes = encode_fp4(wide.aux_hidden_states)
+        out["fp4_identical"] += all(
+            torch.equal(default.aux_fp4[n], c) for n, c in zip(FP4_AUX_TENSORS, codes, strict=True)
+        )
+        out["final_state_omitted"] += default.hidden_states is None
+        top_ids, top_logp = encode_topk(wide.hidden_states.cuda(), head, k)
+        got_ids, got_logp = default.topk["topk_ids"], default.topk["topk_logp"]
+        out["topk_ids_equal_fraction"].append(round(float((got_ids == top_ids.cpu()).float().mean()), 5))
+        out["topk_logp_max_abs_diff"].append(round(float((got_logp.float() - top_logp.cpu().float()).abs().max()), 5))
+        for path in paths:
+            path.unlink()
+    return out
 
 
 def disk_probe() -> dict:
@@ -1121,7 +1167,7 @@ ESTIMATE_S = {
     "plain8b": 340,
     "fp8speed8b": 400,
     "bf16speed8b": 350,
-    "layoutspeed8b": 350,
+    "layoutspeed8b": 380,
     "diskpatterns": 90,
     "ref8b": 150,
     "train8b": 120,

@@ -102,3 +102,30 @@ def test_a_dump_that_cannot_be_written_fails_only_its_own_request(reference_serv
         assert responses[rid].status_code == 200, responses[rid].text
         assert read_dump(dump_path(reference_server.dump_dir, rid)).hidden_states.shape[0] == 4
     assert prefill(reference_server.url, [1, 2], "eaglet:t:after:1").status_code == 200  # the server goes on
+
+
+def test_default_layout_request_gets_the_topk_and_4bit_aux_states_of_the_same_forward(reference_server, tiny_model):
+    """The default layout's dump: no final state; the aux states as the workers' encoder makes them of a full-width
+    dump of the same prompt, and the top-k over the model's head."""
+    from eaglet.shared.fp4 import encode_fp4
+    from eaglet.shared.store import FP4_AUX_TENSORS
+    from eaglet.shared.topk import encode_topk
+
+    ids = list(range(200, 241))
+    sp = {"max_new_tokens": 1, "temperature": 0}
+    url, dumps = reference_server.url, reference_server.dump_dir
+    assert prefill(url, ids, "eaglet:t:wide:1").status_code == 200
+    asked = {**sp, "custom_params": {"eaglet_topk": 8, "eaglet_aux": "e2m1_b32"}}
+    body = {"input_ids": ids, "rid": "eaglet:t:default:1", "sampling_params": asked}
+    assert httpx.post(f"{url}/generate", json=body, timeout=120).status_code == 200
+    wide, dump = (read_dump(dump_path(dumps, rid)) for rid in ("eaglet:t:wide:1", "eaglet:t:default:1"))
+    H, V = tiny_model.config.hidden_size, tiny_model.config.vocab_size
+    validate_dump(
+        dump, rid="eaglet:t:default:1", num_tokens=len(ids), hidden_size=H, topk=8, vocab_size=V, aux_fp4=True
+    )
+    assert dump.hidden_states is None and dump.aux_hidden_states is None
+    for name, want in zip(FP4_AUX_TENSORS, encode_fp4(wide.aux_hidden_states), strict=True):
+        assert torch.equal(dump.aux_fp4[name], want)
+    want_ids, want_logp = encode_topk(wide.hidden_states, tiny_model.lm_head.weight.detach(), 8)
+    assert torch.equal(dump.topk["topk_ids"], want_ids)
+    torch.testing.assert_close(dump.topk["topk_logp"], want_logp, atol=2e-3, rtol=0)

@@ -1,16 +1,18 @@
-"""Storage layouts: the 4-bit codec, the top-k encoder and its checks, each layout stored and read back, and the
-bytes a token each costs, counted by one function and found in the files."""
+"""Storage layouts: the 4-bit codec, the top-k encoder and its checks, the dumps a server writes for them, each
+layout stored and read back, and the bytes a token each costs, counted by one function and found in the files."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from eaglet.shared.dumpfile import Dump, DumpEncoding, DumpInvalid, validate_dump
+from eaglet.shared.dumpfile import Dump, DumpEncoding, DumpInvalid, read_dump, validate_dump, write_dump
 from eaglet.shared.fp4 import Fp4Error, check_fp4, decode_fp4, encode_fp4, magnitude_codes
 from eaglet.shared.layout import FP4_BLOCK, Layout, TopkError, bytes_per_token, check_k
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.store import (
+    FP4_AUX_TENSORS,
     decode_states,
     encode_states,
     loss_rows,
@@ -19,7 +21,7 @@ from eaglet.shared.store import (
     sample_is_complete,
     write_sample,
 )
-from eaglet.shared.topk import check_topk, encode_topk
+from eaglet.shared.topk import TOPK_TENSORS, check_topk, encode_topk
 
 H, V, T = 64, 300, 12
 
@@ -182,3 +184,49 @@ def test_magnitude_codes_round_to_the_nearest_e2m1_magnitude_ties_to_the_smaller
     a = torch.cat([*edges, torch.tensor([0.0, 1e-45, 2.0, 3.0, 4.0, 6.0, 6.5, 100.0]), torch.rand(200_000) * 7])
     assert torch.equal(magnitude_codes(a.clone()), torch.bucketize(a, midpoints).to(torch.uint8))
     assert magnitude_codes(midpoints.clone()).tolist() == list(range(7))  # a tie takes the smaller magnitude
+
+
+def test_a_default_layout_dump_holds_the_topk_and_4bit_aux_states_and_is_checked_as_asked(tmp_path):
+    """What a server writes for the default layout's request: no final state, the aux states 4-bit encoded; read back
+    and checked as the worker does, and refused when it is not what was asked for."""
+    s = sample()
+    topk = encode_topk(s["hidden_states"], torch.randn(V, H), 4)
+    codes, scales = encode_fp4(s["aux_hidden_states"])
+    path = write_dump(tmp_path, "r", None, None, aux_layer_ids=[1, 2, 3], model="m", model_dtype=torch.float32,
+                      topk=topk, aux_fp4=(codes, scales))  # fmt: skip
+    dump = read_dump(path)
+    assert dump.hidden_states is None and dump.aux_hidden_states is None and dump.hidden_size == H
+    assert dump.metadata["aux_storage"] == "e2m1_b32" and dump.metadata["dtype"] == "float32"
+    assert set(dump.states) == {*TOPK_TENSORS, *FP4_AUX_TENSORS} and set(dump.slices) == set(dump.states)
+    validate_dump(dump, rid="r", num_tokens=T, hidden_size=H, topk=4, vocab_size=V, aux_fp4=True)
+    with pytest.raises(DumpInvalid, match="aux states 4-bit, but full width was asked for"):
+        validate_dump(dump, rid="r", num_tokens=T, hidden_size=H, topk=4, vocab_size=V)
+    with pytest.raises(DumpInvalid, match="holds no hidden_states"):
+        validate_dump(dump, rid="r", num_tokens=T, hidden_size=H, aux_fp4=True)
+    # the store keeps the dump's tensors as they are: what a worker stores is the dump, copied
+    out, metadata = encode_states({"input_ids": s["input_ids"], "loss_mask": s["loss_mask"], **dump.states},
+                                  dump.metadata, "model", Layout(final="topk", topk=4, aux="fp4"))  # fmt: skip
+    assert all(out[k] is dump.states[k] for k in dump.states) and Layout.from_metadata(metadata).name == "top4+fp4"
+
+
+def test_a_corrupt_4bit_scale_in_a_dump_is_refused_naming_the_token(tmp_path):
+    s = sample()
+    codes, scales = encode_fp4(s["aux_hidden_states"])
+    scales[5, 2] = float("nan")
+    path = write_dump(
+        tmp_path, "r", s["hidden_states"], None, aux_layer_ids=[1, 2, 3], model="m", aux_fp4=(codes, scales)
+    )
+    with pytest.raises(DumpInvalid, match=r"dump r: corrupt 4-bit block \(token 5, block 2\)"):
+        validate_dump(read_dump(path), rid="r", num_tokens=T, hidden_size=H, aux_fp4=True)
+
+
+def test_a_dump_request_names_its_forms_and_refuses_what_it_cannot_be():
+    both = DumpEncoding(topk=24, aux_fp4=True)
+    assert both.params() == {"eaglet_topk": 24, "eaglet_aux": "e2m1_b32"}
+    assert DumpEncoding.from_params(both.params(), V) == both
+    with pytest.raises(ValueError, match="eaglet_aux='e2m1'"):
+        DumpEncoding.from_params({"eaglet_aux": "e2m1"}, V)
+    with pytest.raises(ValueError, match="ask for one"):
+        DumpEncoding(fp8=True, aux_fp4=True)
+    with pytest.raises(ValueError, match="neither the final state nor its top-k"):
+        write_dump(Path("."), "r", None, torch.zeros(2, 3 * H), aux_layer_ids=[1, 2, 3], model="m")
