@@ -34,6 +34,7 @@ from safetensors.torch import save  # noqa: E402
 from bench.common import load, save_result  # noqa: E402
 from eaglet.services.trainer.data import load_sample  # noqa: E402
 from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump, write_dump  # noqa: E402
+from eaglet.shared.fp4 import encode_fp4  # noqa: E402
 from eaglet.shared.layout import Layout  # noqa: E402
 from eaglet.shared.runoptions import DEFAULT_TOPK, RunOptions  # noqa: E402
 from eaglet.shared.store import encode_states, sample_path, write_sample  # noqa: E402
@@ -41,7 +42,7 @@ from eaglet.shared.store import encode_states, sample_path, write_sample  # noqa
 ENCODINGS = {  # name: (store_dtype, layout)
     "bf16": ("bf16", Layout()),
     "fp8": ("fp8", Layout()),
-    "default": ("bf16", RunOptions().layout()),  # the default layout: top-k from the dump, aux states to 4 bits
+    "default": ("bf16", RunOptions().layout()),  # the default layout: the dump holds what the store keeps
 }
 VOCAB = 128_000
 
@@ -88,13 +89,16 @@ def raw_write(folder: Path, blobs: list[bytes]) -> float:
 
 
 def write_dumps(dump_dir: Path, samples: list[dict], tag: str, layout: Layout) -> list[str]:
-    """The samples' states as an inference server leaves them: one dump file each, in the dump dir (with the
-    top-k when the layout keeps one)."""
+    """The samples' states as an inference server leaves them for the layout's request: one dump file each, in the
+    dump dir; the top-k in place of the final state, the aux states 4-bit encoded where the layout keeps them so
+    (the server's work, not timed here)."""
     rids = [f"eaglet:bench:{tag}-{i:04d}:1" for i in range(len(samples))]
     for rid, s in zip(rids, samples, strict=True):
         topk = (s["topk_ids"], s["topk_logp"]) if layout.final == "topk" else None
-        write_dump(dump_dir, rid, s["hidden_states"], s["aux_hidden_states"], aux_layer_ids=[2, 16, 29], model="m",
-                   topk=topk)  # fmt: skip
+        aux_fp4 = encode_fp4(s["aux_hidden_states"]) if layout.aux == "fp4" else None
+        write_dump(dump_dir, rid, None if topk else s["hidden_states"], None if aux_fp4 else s["aux_hidden_states"],
+                   aux_layer_ids=[2, 16, 29], model="m", model_dtype=s["aux_hidden_states"].dtype, topk=topk,
+                   aux_fp4=aux_fp4)  # fmt: skip
     return rids
 
 
@@ -110,9 +114,10 @@ def durable_write(
 
     def one(i: int) -> None:
         dump = read_dump(dump_path(dump_dir, rids[i]))
-        tokens = dump.hidden_states.shape[0]
-        validate_dump(dump, rid=rids[i], num_tokens=tokens, hidden_size=hidden)
-        states = {"hidden_states": dump.hidden_states, "aux_hidden_states": dump.aux_hidden_states, **dump.topk}
+        tokens = len(samples[i]["input_ids"])
+        validate_dump(dump, rid=rids[i], num_tokens=tokens, hidden_size=hidden, topk=layout.topk, vocab_size=VOCAB,
+                      aux_fp4=layout.aux == "fp4")  # fmt: skip
+        states = dump.states
         if mode == "memory":
             states = {k: v.clone() for k, v in states.items()}
         tensors = {"input_ids": samples[i]["input_ids"], "loss_mask": samples[i]["loss_mask"], **states}

@@ -31,7 +31,7 @@ from eaglet.shared.dumpfile import (
     validate_dump,
 )
 from eaglet.shared.ids import make_rid
-from eaglet.shared.layout import FP4_BLOCK, NUM_AUX, Layout
+from eaglet.shared.layout import Layout
 from eaglet.shared.records import RunMeta
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import Sample, SampleSet
@@ -168,10 +168,6 @@ class Extractor:
         # 4-bit would round the aux states twice.
         encoding = DumpEncoding(fp8=store == "fp8" and layout.aux == "full", topk=layout.topk,
                                 aux_fp4=layout.aux == "fp4")  # fmt: skip
-        if encoding.aux_fp4 and (NUM_AUX * meta.hidden_size) % FP4_BLOCK:
-            raise SampleRejected(f"sample {sample.sample_id}: the run stores 4-bit aux states (store_aux fp4), which "
-                                 f"need {NUM_AUX} x hidden size {meta.hidden_size} in blocks of {FP4_BLOCK}: use "
-                                 "store_aux full for this target")  # fmt: skip
         try:
             self._prefill(rid, sample, encoding)
             lap("prefill")
