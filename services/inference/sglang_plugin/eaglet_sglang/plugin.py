@@ -12,16 +12,15 @@
   final norm. Versions with the capture flag hand it back as ``logits_output.last_hidden_states``;
   for the others the hook keeps a reference while an eaglet forward runs.
 
-What a request asks computed on the device (``custom_params``, shared/dumpfile.py ``DumpEncoding``) is computed
-in the forward hook, on the forward's outputs, before the copy to the host: fp8-encoded states (the store's
-encoder), 4-bit aux states (shared/fp4.py), and the target's top-k distribution in place of the final state
-(``encode_topk``, from the final states before any encoding). The
-top-k needs the target's LM head over its whole real vocabulary, the one the trainer uses; SGLang's own is padded
-and sharded across TP ranks (and Gemma's class scores with its embedding), so the writer rank reads it from the
-server's model directory (shared/targettensors.py, as the trainer does) at its first top-k request and keeps it on its
-GPU: V x H x 2 bytes there in bf16 (Llama 3 8B: 1.05 GB; Kimi-K2.5: 2.35 GB). A model path that is not a local
-safetensors checkpoint (a hub id, a GGUF file) cannot serve a top-k: the reason is logged once and those requests
-get no dump, which their worker reports.
+What a request asks computed on the device (``custom_params``, shared/dumpfile.py ``DumpEncoding``) is computed in the
+forward hook, on the forward's outputs, before the copy to the host: fp8-encoded states (the store's encoder), 4-bit
+aux states (shared/fp4.py), and the target's top-k distribution in place of the final state (``encode_topk``, from the
+final states before any encoding). The top-k needs the target's LM head over its whole real vocabulary, the one the
+trainer uses; SGLang's own is padded and sharded across TP ranks (and Gemma's class scores with its embedding), so the
+writer rank reads it from the server's model directory (shared/targettensors.py, as the trainer does) at its first
+top-k request and keeps it on its GPU: V x H x 2 bytes there in bf16 (Llama 3 8B: 1.05 GB; Kimi-K2.5: 2.35 GB). A
+model path that is not a local safetensors checkpoint (a hub id, a GGUF file) cannot serve a top-k: the reason is
+logged once and those requests get no dump, which their worker reports.
 """
 
 import logging
@@ -271,17 +270,18 @@ class DumpPlugin:
             self._warn_once(problem)
             return
         encodings = snapshot.encodings
-        rows = snapshot.rows
-        if aux.shape[-1] % FP4_BLOCK and any(encodings[r.rid].aux_fp4 for r in rows):
+        kept = snapshot.rows
+        if aux.shape[-1] % FP4_BLOCK and any(encodings[r.rid].aux_fp4 for r in kept):
+            # the run's ingest refuses such a target; a request from elsewhere must not fail the forward's others
             self._warn_once(f"4-bit aux states asked, but the aux states are {aux.shape[-1]} wide, not a multiple of "
                             f"{FP4_BLOCK}: those requests get no dump")  # fmt: skip
-            rows = [r for r in rows if not encodings[r.rid].aux_fp4]
-            if not rows:
+            kept = [r for r in kept if not encodings[r.rid].aux_fp4]
+            if not kept:
                 return
         device = _encode(aux[:needed], final[:needed], [_parts(e) for e in encodings.values()])
         topk = self._topk(info, snapshot, final) if any(e.topk for e in encodings.values()) else {}
         copies = []
-        for r in rows:
+        for r in kept:
             host = {name: copy_rows(device[form], r.start, r.length) for name, form in _parts(encodings[r.rid]).items()}
             if r.rid in topk:
                 host.update(zip(TOPK_TENSORS, (copy_rows(t, 0, r.length) for t in topk[r.rid]), strict=True))
