@@ -28,7 +28,8 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     custom_params: dict | None = None
-    """As SGLang's: read only for ``eaglet_dump`` and ``eaglet_topk`` (what a dump holds, shared/dumpfile.py)."""
+    """As SGLang's: read only for ``eaglet_dump``, ``eaglet_topk`` and ``eaglet_aux`` (what a dump holds,
+    shared/dumpfile.py)."""
 
 
 class ChatMessage(BaseModel):
