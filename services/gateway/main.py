@@ -62,6 +62,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
 
 app = create_app()
+KEEP_ALIVE_S = 75
+"""Idle connections are kept this long: past the 60 s of common load balancers and the 5 s of HTTP clients' pools, so
+a client that polls /status never sends on a connection the gateway has just closed (uvicorn's default, 5 s, is
+exactly httpx's: under load a request then meets a closed connection, as a 32-client /status test did)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,11 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     settings = GatewaySettings(**{k: v for k, v in vars(args).items() if v is not None})
     log.info("gateway: listening on %s:%d, %d process(es)", settings.host, settings.port, settings.gateway_workers)
+    server = {"host": settings.host, "port": settings.port, "log_level": "info", "timeout_keep_alive": KEEP_ALIVE_S}
     if settings.gateway_workers > 1:  # each process builds its app from the environment, as ``app`` above
-        uvicorn.run("eaglet.services.gateway.main:app", host=settings.host, port=settings.port, log_level="info",
-                    workers=settings.gateway_workers)  # fmt: skip
+        uvicorn.run("eaglet.services.gateway.main:app", workers=settings.gateway_workers, **server)
     else:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+        uvicorn.run(create_app(settings), **server)
     return 0
 
 
