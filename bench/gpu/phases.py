@@ -18,8 +18,9 @@ Phases:
   plain8b   speed8b's first half (plain SGLang and the disk); bf16speed8b its second (the bf16 pipeline).
   fp8speed8b  the same pipeline storing fp8 (encoded by the plugin on the GPU), three repetitions, and the GPU
             encoder checked bit for bit against the workers' CPU encoder.
-  layoutspeed8b  the same pipeline on the default storage layout (top-24 by the plugin on the GPU, 4-bit aux
-            states by the workers), three repetitions. Every pipeline repetition probes the disk just before it.
+  layoutspeed8b  the same pipeline on the default storage layout (the top-24 in place of the final state and the
+            4-bit aux states, both by the plugin on the GPU, checked first against the workers' encoders), three
+            repetitions. Every pipeline repetition probes the disk just before it.
   diskpatterns  the data disk under the store's write pattern (sample-sized files, sendfile from shared memory,
             fsync, rename, folder fsync; 8 to 64 writers; removed behind or kept) beside the plain probe.
   ref8b     the reference server at the 8B shape: server alone (--no-dump) vs the pipeline.
@@ -664,7 +665,7 @@ def phase_speed8b() -> None:
 def phase_plain8b() -> None:
     """speed8b's first half: plain SGLang's prefill tokens/s, repeated, the disk probed after each (recorded as
     speed8b's, where the speed report reads them)."""
-    R = RESULTS["speed8b"] = {}
+    R = RESULTS.setdefault("speed8b", {})
     model = MODELS / "l8b"
     if not (model / "config.json").exists():
         phase_models()
