@@ -254,8 +254,9 @@ def validate_dump(
     if not topk and dump.hidden_states is None:
         raise DumpInvalid(f"{where}: holds no hidden_states (the final state), and no top-k was asked for")
     if aux_fp4 != bool(dump.aux_fp4):
+        older = " (a server older than this worker does not encode them: update its image)" if aux_fp4 else ""
         raise DumpInvalid(f"{where}: aux states {'4-bit' if dump.aux_fp4 else 'at full width'}, but "
-                          f"{'4-bit' if aux_fp4 else 'full width'} was asked for")  # fmt: skip
+                          f"{'4-bit' if aux_fp4 else 'full width'} was asked for{older}")  # fmt: skip
     if aux_fp4:
         try:
             check_fp4(*(dump.aux_fp4[k] for k in FP4_AUX_TENSORS), rows=num_tokens, width=num_aux * hidden_size,
