@@ -32,16 +32,25 @@ the default layout is what the store keeps (0.22 of a bf16 dump at H 4,096): no 
 import json
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from .fp4 import Fp4Error, check_fp4
+from .fp4 import FP4_DEVICE_BLOCK_BYTES, Fp4Error, check_fp4, encode_fp4
 from .ids import check_rid
 from .layout import FP4_STORAGE, TopkError, check_k
-from .store import FP4_AUX_TENSORS, FP8, FP8_STORAGE, STATE_TENSORS
+from .store import (
+    FP4_AUX_TENSORS,
+    FP8,
+    FP8_BLOCK_BYTES,
+    FP8_DEVICE_BLOCK_BYTES,
+    FP8_STORAGE,
+    STATE_TENSORS,
+    encode_fp8,
+)
 from .tensorfile import FileSlice, TensorFileError, map_tensors, read_header, row_blocks
 from .topk import TOPK_PARAM, TOPK_TENSORS, check_topk
 
@@ -99,6 +108,36 @@ class DumpEncoding:
         if aux not in (None, FP4_STORAGE):
             raise ValueError(f"custom_params.{AUX_ENCODING_PARAM}={aux!r}: the one value is {FP4_STORAGE!r}")
         return cls(fp8=params.get(DUMP_ENCODING_PARAM) == FP8_ENCODING, topk=topk, aux_fp4=aux == FP4_STORAGE)
+
+
+def dump_forms(encoding: DumpEncoding) -> dict[str, str]:
+    """The state tensors a request's dump holds: name in the dump -> the form ``encode_forms`` computes (the top-k,
+    when asked, comes apart: both servers score it over their own rows, ``encode_topk``)."""
+    parts = {} if encoding.topk else {"hidden_states": "final"}  # the top-k replaces the final state
+    if encoding.aux_fp4:
+        parts.update(zip(FP4_AUX_TENSORS, ("aux_e2m1", "aux_block_scale"), strict=True))
+    else:
+        parts["aux_hidden_states"] = "aux"
+    if encoding.fp8:
+        for name in list(parts):
+            parts[f"{name}_scale"] = f"{parts[name]}_fp8_scale"
+            parts[name] += "_fp8"
+    return parts
+
+
+def encode_forms(final: torch.Tensor, aux: torch.Tensor, wanted: Iterable[dict[str, str]]) -> dict[str, torch.Tensor]:
+    """The states (all their rows) in every form the ``dump_forms`` in ``wanted`` name, on their device, before the
+    copy to the host: one pass over the rows a form (each request's rows are sliced out at the copy)."""
+    forms = set().union(*(w.values() for w in wanted))
+    on_gpu = aux.is_cuda  # few kernel launches a forward there; blocks that stay in cache on a CPU
+    out = {"final": final, "aux": aux}
+    for name, states in (("final", final), ("aux", aux)):
+        if f"{name}_fp8" in forms:  # half the bytes through PCIe, pinned memory, the dump and the disk
+            block = FP8_DEVICE_BLOCK_BYTES if on_gpu else FP8_BLOCK_BYTES
+            out[f"{name}_fp8"], out[f"{name}_fp8_scale"] = encode_fp8(states, block)
+    if "aux_e2m1" in forms:  # a quarter of the aux states' bytes, and no 4-bit encoding on the workers' cores
+        out["aux_e2m1"], out["aux_block_scale"] = encode_fp4(aux, FP4_DEVICE_BLOCK_BYTES) if on_gpu else encode_fp4(aux)
+    return out
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from eaglet.services.inference.engine import Prefill, ReferenceEngine
-from eaglet.shared.dumpfile import DumpEncoding, write_dump
+from eaglet.shared.dumpfile import DumpEncoding, write_dump_parts
 from eaglet.shared.dumpwriter import DumpWriter
 from eaglet.shared.ids import is_eaglet_rid
 
@@ -150,17 +150,6 @@ class Batcher:
         ]
 
     def _submit_dump(self, rid: str, prefill: Prefill) -> Future:
-        write = partial(
-            write_dump,
-            self.dump_dir,
-            rid,
-            prefill.hidden_states,
-            prefill.aux_hidden_states,
-            aux_layer_ids=self.engine.aux_layer_ids,
-            model=str(self.engine.model_dir.name),
-            scales=prefill.scales,
-            model_dtype=self.engine.dtype,
-            topk=prefill.topk,
-            aux_fp4=prefill.aux_fp4,
-        )
+        write = partial(write_dump_parts, self.dump_dir, rid, prefill.states, aux_layer_ids=self.engine.aux_layer_ids,
+                        model=str(self.engine.model_dir.name), model_dtype=self.engine.dtype)  # fmt: skip
         return self.writer.submit(prefill.nbytes, write, f"rid {rid}")

@@ -13,34 +13,24 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eaglet.shared.dumpfile import DumpEncoding
-from eaglet.shared.fp4 import FP4_DEVICE_BLOCK_BYTES, encode_fp4
+from eaglet.shared.dumpfile import DumpEncoding, dump_forms, encode_forms
 from eaglet.shared.layers import default_layer_ids
-from eaglet.shared.store import FP8_BLOCK_BYTES, FP8_DEVICE_BLOCK_BYTES, encode_fp8
-from eaglet.shared.topk import encode_topk
+from eaglet.shared.topk import TOPK_TENSORS, encode_topk
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Prefill:
-    """One prompt's states on the CPU, in the forms its ``DumpEncoding`` asked for (shared/dumpfile.py)."""
+    """One prompt's states on the CPU, named as its dump names them, in the forms its ``DumpEncoding`` asked for
+    (shared/dumpfile.py ``dump_forms``), and the token the target predicts next."""
 
-    hidden_states: torch.Tensor | None  # [T, H]; None when the top-k replaces it
-    aux_hidden_states: torch.Tensor | None  # [T, 3H]; None when 4-bit encoded (``aux_fp4``)
+    states: dict[str, torch.Tensor]
     next_token: int
-    scales: tuple[torch.Tensor | None, torch.Tensor] | None = None
-    """Of hidden_states (None without it) and aux_hidden_states [T, 1], when they are fp8-encoded."""
-    topk: tuple[torch.Tensor, torch.Tensor] | None = None
-    """The target's top-k distribution (ids, log-probs) [T, k], when asked for (shared/topk.py)."""
-    aux_fp4: tuple[torch.Tensor, torch.Tensor] | None = None
-    """The aux states 4-bit encoded (codes, block scales; shared/fp4.py), when asked for."""
 
     @property
     def nbytes(self) -> int:
-        parts = (self.hidden_states, self.aux_hidden_states, *(self.scales or ()), *(self.topk or ()),
-                 *(self.aux_fp4 or ()))  # fmt: skip
-        return sum(t.nbytes for t in parts if t is not None)
+        return sum(t.nbytes for t in self.states.values())
 
 
 class ReferenceEngine:
@@ -85,34 +75,13 @@ class ReferenceEngine:
 
     def _encode(self, final: torch.Tensor, aux: torch.Tensor, next_token: int, encoding: DumpEncoding) -> Prefill:
         """One prompt's states in the forms ``encoding`` asks for, computed on the device, then copied to the host."""
-        gpu = self.device.type == "cuda"
-        topk = aux_fp4 = h_scale = a_scale = None
-        h: torch.Tensor | None = final
-        a: torch.Tensor | None = aux
+        parts = dump_forms(encoding)
+        forms = encode_forms(final, aux, [parts])
+        states = {name: forms[form].cpu() for name, form in parts.items()}
         if encoding.topk:
             topk = encode_topk(final, self.model.lm_head.weight, encoding.topk)
-            h = None  # the top-k replaces the final state
-        if encoding.aux_fp4:
-            aux_fp4 = encode_fp4(aux, FP4_DEVICE_BLOCK_BYTES) if gpu else encode_fp4(aux)
-            a = None
-        if encoding.fp8:
-            block = FP8_DEVICE_BLOCK_BYTES if gpu else FP8_BLOCK_BYTES
-            if h is not None:
-                h, h_scale = encode_fp8(h, block)
-            if a is not None:
-                a, a_scale = encode_fp8(a, block)
-
-        def host(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.cpu()
-
-        return Prefill(
-            host(h),
-            host(a),
-            next_token,
-            scales=(host(h_scale), a_scale.cpu()) if a_scale is not None else None,
-            topk=(topk[0].cpu(), topk[1].cpu()) if topk else None,
-            aux_fp4=(aux_fp4[0].cpu(), aux_fp4[1].cpu()) if aux_fp4 else None,
-        )
+            states.update(zip(TOPK_TENSORS, (t.cpu() for t in topk), strict=True))
+        return Prefill(states, next_token)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float):

@@ -17,8 +17,10 @@ def test_smollm2_states_and_answer(smollm2_dir):
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
     # transformers' last hidden state is after the final norm: what the LM head reads.
-    torch.testing.assert_close(prefill.hidden_states, out.hidden_states[-1][0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(prefill.aux_hidden_states[:, :576], out.hidden_states[2][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(prefill.states["hidden_states"], out.hidden_states[-1][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        prefill.states["aux_hidden_states"][:, :576], out.hidden_states[2][0], atol=1e-4, rtol=1e-4
+    )
     assert tokenizer.decode(engine.generate([ids], max_new_tokens=12, temperature=0, top_p=1)[0]).startswith(
         "The capital of France is Paris"
     )

@@ -72,7 +72,7 @@ class FaultyServer:
             if fault is not None:
                 self.injected[fault] = self.injected.get(fault, 0) + 1
             tokens = len(req.input_ids)
-            self._write(req.rid, prefill[0].hidden_states, prefill[0].aux_hidden_states, fault)
+            self._write(req.rid, prefill[0].states["hidden_states"], prefill[0].states["aux_hidden_states"], fault)
             told = tokens - 1 if fault == "prompt_tokens" else tokens
             return {
                 "text": "",

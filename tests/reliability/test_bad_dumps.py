@@ -66,8 +66,8 @@ def test_broken_dumps_are_rejected_retried_and_never_stored(redis, settings, tmp
             continue
         stored = open_sample(sample_path(settings.data_dir, run_id, sample.sample_id))
         [expected] = engine.prefill([sample.input_ids.tolist()])
-        torch.testing.assert_close(stored["hidden_states"], expected.hidden_states, rtol=0, atol=0)
-        torch.testing.assert_close(stored["aux_hidden_states"], expected.aux_hidden_states, rtol=0, atol=0)
+        torch.testing.assert_close(stored["hidden_states"], expected.states["hidden_states"], rtol=0, atol=0)
+        torch.testing.assert_close(stored["aux_hidden_states"], expected.states["aux_hidden_states"], rtol=0, atol=0)
     leftover = [p.name for p in (tmp_path / "dump").iterdir()]
     assert not leftover, f"dumps left behind: {leftover}"
     injected = sum(server.injected.values())

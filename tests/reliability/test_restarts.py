@@ -70,8 +70,10 @@ def test_inference_server_killed_and_restarted_mid_run(redis, settings, tmp_path
         sample = samples[i]
         stored = open_sample(sample_path(settings.data_dir, run_id, sample.sample_id))
         [expected] = engine.prefill([sample.input_ids.tolist()])
-        torch.testing.assert_close(stored["hidden_states"], expected.hidden_states, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(stored["aux_hidden_states"], expected.aux_hidden_states, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(stored["hidden_states"], expected.states["hidden_states"], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            stored["aux_hidden_states"], expected.states["aux_hidden_states"], atol=1e-5, rtol=1e-4
+        )
     log.warning("inference restarts: %d SIGKILLs; %d transient errors, retries %d; done %d, failed %d",
                 restarts, len(transient), counts.retries, counts.done, counts.failed)  # fmt: skip
     assert events.count(run_id, "extraction_complete") == 1

@@ -33,13 +33,11 @@ from typing import Any
 
 import torch
 
-from eaglet.shared.dumpfile import DumpEncoding
+from eaglet.shared.dumpfile import DumpEncoding, dump_forms, encode_forms
 from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES, DEFAULT_THREADS, DumpWriter
-from eaglet.shared.fp4 import FP4_DEVICE_BLOCK_BYTES, encode_fp4
 from eaglet.shared.ids import is_eaglet_rid
 from eaglet.shared.layers import default_layer_ids, layer_ids_problem, sglang_arg_ids
 from eaglet.shared.layout import FP4_BLOCK
-from eaglet.shared.store import FP4_AUX_TENSORS, FP8_DEVICE_BLOCK_BYTES, encode_fp8
 from eaglet.shared.targettensors import load_target_tensors
 from eaglet.shared.topk import TOPK_PARAM, TOPK_TENSORS, encode_topk
 from eaglet_sglang import versions
@@ -278,11 +276,15 @@ class DumpPlugin:
             kept = [r for r in kept if not encodings[r.rid].aux_fp4]
             if not kept:
                 return
-        device = _encode(aux[:needed], final[:needed], [_parts(e) for e in encodings.values()])
+        device = encode_forms(
+            aux=aux[:needed], final=final[:needed], wanted=[dump_forms(e) for e in encodings.values()]
+        )
         topk = self._topk(info, snapshot, final) if any(e.topk for e in encodings.values()) else {}
         copies = []
         for r in kept:
-            host = {name: copy_rows(device[form], r.start, r.length) for name, form in _parts(encodings[r.rid]).items()}
+            host = {
+                name: copy_rows(device[form], r.start, r.length) for name, form in dump_forms(encodings[r.rid]).items()
+            }
             if r.rid in topk:
                 host.update(zip(TOPK_TENSORS, (copy_rows(t, 0, r.length) for t in topk[r.rid]), strict=True))
             copies.append((r, host))
@@ -462,33 +464,3 @@ def is_writer_rank() -> bool:
         parallel_state.get_attn_tensor_model_parallel_rank() == 0
         and parallel_state.get_attn_context_model_parallel_rank() == 0
     )
-
-
-def _parts(encoding: DumpEncoding) -> dict[str, str]:
-    """The dump's state tensors a request asks for: name in the dump -> the form ``_encode`` computes (the top-k,
-    when asked, comes apart: ``_topk``)."""
-    parts = {} if encoding.topk else {"hidden_states": "final"}  # the top-k replaces the final state
-    if encoding.aux_fp4:
-        parts.update(zip(FP4_AUX_TENSORS, ("aux_e2m1", "aux_block_scale"), strict=True))
-    else:
-        parts["aux_hidden_states"] = "aux"
-    if encoding.fp8:
-        for name in list(parts):
-            parts[f"{name}_scale"] = f"{parts[name]}_fp8_scale"
-            parts[name] += "_fp8"
-    return parts
-
-
-def _encode(aux: torch.Tensor, final: torch.Tensor, wanted: list[dict[str, str]]) -> dict[str, torch.Tensor]:
-    """The forward's states (all its rows) in every form ``wanted`` names, on the device, before the copy: one pass
-    over the rows a form (a request's rows are sliced out at the copy)."""
-    forms = set().union(*(w.values() for w in wanted))
-    out = {"final": final, "aux": aux}
-    for name, states in (("final", final), ("aux", aux)):
-        if f"{name}_fp8" in forms:
-            # half the bytes through PCIe, pinned memory, the dump and the disk
-            out[f"{name}_fp8"], out[f"{name}_fp8_scale"] = encode_fp8(states, FP8_DEVICE_BLOCK_BYTES)
-    if "aux_e2m1" in forms:
-        # a quarter of the aux states' bytes to copy and write, and no 4-bit encoding on the workers' cores
-        out["aux_e2m1"], out["aux_block_scale"] = encode_fp4(aux, FP4_DEVICE_BLOCK_BYTES)
-    return out
