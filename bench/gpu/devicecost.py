@@ -1,5 +1,6 @@
 """What the servers' device-side encoders cost a forward, on one GPU, without a server: the top-k distribution (the
-product's ``encode_topk`` beside two candidate ways to compute the same), the 4-bit and fp8 encoders.
+product's ``encode_topk`` beside the way it was computed before and the head's product alone), the 4-bit and fp8
+encoders.
 
     GPUBENCH_SCRIPT=devicecost.py bash bench/gpu/run.sh "" devicecost     (any machine with torch and a GPU, ~1 min)
 
@@ -7,14 +8,14 @@ One chunked-prefill forward's rows at the Llama-3-8B shape (8,192 tokens, H 4,09
 7,168 x 163,840 with DEVICECOST_SHAPES=l8b,kimi), random bf16 states and head. Each encoder runs DEVICECOST_REPEATS
 (7) times after one warm-up, timed with CUDA events; the median, min and max milliseconds, and the share of the
 plain server's time for those tokens (8,192 / 39,549 tokens/s = 207 ms at the 8B shape, gpu-speedrows-2026-12-04)
-that it would add on the forward's stream. The candidates' outputs are compared with the product's: the fraction of
-equal ids and the largest log-probability difference.
+that it would add on the forward's stream. The other ways' outputs are compared with the product's: the fraction
+of equal ids and the largest log-probability difference.
 
-Candidates (here only until one is measured faster and equal enough to become ``encode_topk``):
-- ``bf16-select``: the selection on the bfloat16 logits (half the bytes of the float32 copy), the log-sum-exp
-  in float32 apart;
-- ``vocab-chunks``: the head in slices of the vocabulary, a running log-sum-exp and the slices' top-k merged, so
-  no [rows, V] tensor exists (the way fused linear-cross-entropy kernels stream the vocabulary).
+- ``full-select``: ``encode_topk`` until 2026-12-04 (33 ms at the 8B shape then): a float32 log-softmax over every
+  column, then the selection over every column; the product now selects among the chunks of largest maximum
+  (``shared/topk.py``, ``top_logits``).
+- ``head-product``: the LM head's product alone, in the same blocks of rows: the floor of any top-k over the
+  whole vocabulary.
 """
 
 import os
@@ -31,40 +32,24 @@ from eaglet.shared.topk import encode_topk
 
 ROWS, K = int(os.environ.get("DEVICECOST_ROWS", "8192")), 24
 DEVICE = os.environ.get("DEVICECOST_DEVICE", "cuda")  # cpu: a dry run of the phase (tiny shapes: DEVICECOST_SHAPES)
-SHAPES = {"l8b": (4096, 128256), "kimi": (7168, 163840), "tiny": (64, 40000)}
+SHAPES = {"l8b": (4096, 128256), "kimi": (7168, 163840), "smol": (576, 49152), "tiny": (64, 40000)}
 PLAIN_MS_8B = 1000 * ROWS / 39549  # the plain server's time for one forward's tokens at the 8B shape
 _LOGITS_BYTES = 256 << 20  # as encode_topk's
 
 
-def bf16_select(final: torch.Tensor, head: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def full_select(final: torch.Tensor, head: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.empty(final.shape[0], k, dtype=torch.int32, device=final.device)
     logp = torch.empty(final.shape[0], k, dtype=torch.float16, device=final.device)
     for rows in row_blocks(final, _LOGITS_BYTES // (4 * head.shape[0]) * 4 * final.shape[1]):
-        logits = final[rows] @ head.T  # [t, V] in the states' dtype
-        values, top = logits.topk(k, dim=-1)
-        lse = torch.logsumexp(logits.float(), -1, keepdim=True)
-        ids[rows], logp[rows] = top.to(torch.int32), (values.float() - lse).to(torch.float16)
+        logits = (final[rows] @ head.T).float()
+        values, top = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        ids[rows], logp[rows] = top.to(torch.int32), values.to(torch.float16)
     return ids, logp
 
 
-def vocab_chunks(
-    final: torch.Tensor, head: torch.Tensor, k: int, chunk: int = 16384
-) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.empty(final.shape[0], k, dtype=torch.int32, device=final.device)
-    logp = torch.empty(final.shape[0], k, dtype=torch.float16, device=final.device)
-    for rows in row_blocks(final, 2048 * final.element_size() * final.shape[1]):
-        x = final[rows]
-        lse = torch.full((x.shape[0], 1), float("-inf"), device=x.device)
-        best_v = torch.empty(x.shape[0], 0, device=x.device)
-        best_i = torch.empty(x.shape[0], 0, dtype=torch.long, device=x.device)
-        for start in range(0, head.shape[0], chunk):
-            logits = (x @ head[start : start + chunk].T).float()
-            lse = torch.logaddexp(lse, torch.logsumexp(logits, -1, keepdim=True))
-            v, i = logits.topk(min(k, logits.shape[1]), dim=-1)
-            best_v, pick = torch.cat([best_v, v], -1).topk(min(k, best_v.shape[1] + v.shape[1]), dim=-1)
-            best_i = torch.cat([best_i, i + start], -1).gather(-1, pick)
-        ids[rows], logp[rows] = best_i.to(torch.int32), (best_v - lse).to(torch.float16)
-    return ids, logp
+def head_product(final: torch.Tensor, head: torch.Tensor, k: int) -> None:
+    for rows in row_blocks(final, _LOGITS_BYTES // (4 * head.shape[0]) * 4 * final.shape[1]):
+        final[rows] @ head.T
 
 
 def agreement(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> dict:
@@ -112,11 +97,10 @@ def phase_devicecost() -> None:
         aux = torch.randn(ROWS, 3 * hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
         rows = {}
         want = encode_topk(final, head, K)
-        for name, fn in (("encode_topk", encode_topk), ("bf16-select", bf16_select), ("vocab-chunks", vocab_chunks)):
+        for name, fn in (("encode_topk", encode_topk), ("full-select", full_select), ("head-product", head_product)):
             rows[name] = timed(lambda fn=fn, x=final, h=head: fn(x, h, K), repeats)
-            if name != "encode_topk":
-                got = fn(final, head, K)
-                rows[name] |= agreement(got, want)
+            if name == "full-select":
+                rows[name] |= agreement(fn(final, head, K), want)
         rows["encode_fp4 (aux)"] = timed(lambda a=aux: encode_fp4(a, FP4_DEVICE_BLOCK_BYTES), repeats)
         rows["encode_fp8 (aux + final)"] = timed(
             lambda a=aux, x=final: (encode_fp8(a, FP8_DEVICE_BLOCK_BYTES), encode_fp8(x, FP8_DEVICE_BLOCK_BYTES)),

@@ -21,7 +21,7 @@ from eaglet.shared.store import (
     sample_is_complete,
     write_sample,
 )
-from eaglet.shared.topk import TOPK_TENSORS, check_topk, encode_topk
+from eaglet.shared.topk import TOPK_TENSORS, check_topk, encode_topk, top_logits
 
 H, V, T = 64, 300, 12
 
@@ -72,6 +72,23 @@ def test_topk_is_the_targets_most_likely_tokens_with_their_log_probabilities():
     assert torch.equal(ids.long(), expected.indices) and ids.dtype == torch.int32
     torch.testing.assert_close(logp.float(), expected.values, atol=2e-3, rtol=1e-3)
     check_topk(ids, logp, rows=T, k=5, vocab_size=V, where="dump r")
+
+
+@pytest.mark.parametrize("k", [1, 24, 32])
+@pytest.mark.parametrize("vocab", [64 * 200, 64 * 200 + 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_selection_is_the_full_one(k, vocab, dtype):
+    g = torch.Generator().manual_seed(k)
+    logits = torch.randn(50, vocab, generator=g).to(dtype)
+    logits[7] = torch.randint(-3, 4, (vocab,), generator=g)  # a row of ties, across chunks and in the last one
+    logits[8, -1] = 99.0  # the largest in the partial chunk
+    values, columns = top_logits(logits, k)
+    want = logits.topk(k, dim=-1)
+    assert torch.equal(values, want.values)
+    assert torch.equal(logits.gather(1, columns), values)  # each column holds its value: a tie may pick another
+    assert all(len(set(row.tolist())) == k for row in columns)
+    if dtype == torch.float32:  # no ties but row 7's: the very same columns
+        assert torch.equal(columns[:7], want.indices[:7]) and torch.equal(columns[8:], want.indices[8:])
 
 
 @pytest.mark.parametrize(
