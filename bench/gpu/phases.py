@@ -1162,13 +1162,14 @@ def phase_drafter() -> None:
 ESTIMATE_S = {
     "smol": 200,
     "real": 180,
-    # measured 2026-12-04: the first SGLang start on a fresh machine 148 s, later ones 50 s; a pipeline repetition
-    # ~100 s with its dataset, workers and probe
+    # measured 2026-12-04: the first SGLang start on a fresh machine 148 s, 79 s once a smaller model's kernels were
+    # compiled, later ones 50-70 s; a pipeline repetition ~100 s with its dataset, workers and probe (bf16speed8b
+    # x3: 393 s with a 79 s start; plain8b: 246 s with a 70 s start)
     "speed8b": 650,
-    "plain8b": 340,
+    "plain8b": 300,
     "fp8speed8b": 400,
-    "bf16speed8b": 350,
-    "layoutspeed8b": 380,
+    "bf16speed8b": 400,
+    "layoutspeed8b": 480,
     "diskpatterns": 90,
     "ref8b": 150,
     "train8b": 120,
