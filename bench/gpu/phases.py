@@ -21,6 +21,7 @@ Phases:
   layoutspeed8b  the same pipeline on the default storage layout (the top-24 in place of the final state and the
             4-bit aux states, both by the plugin on the GPU, checked first against the workers' encoders), three
             repetitions. Every pipeline repetition probes the disk just before it.
+  fp4speed8b  the same pipeline with the 4-bit aux states alone (the final state whole, no top-k).
   diskpatterns  the data disk under the store's write pattern (sample-sized files, sendfile from shared memory,
             fsync, rename, folder fsync; 8 to 64 writers; removed behind or kept) beside the plain probe.
   ref8b     the reference server at the 8B shape: server alone (--no-dump) vs the pipeline.
@@ -745,6 +746,18 @@ def phase_layoutspeed8b() -> None:
     save("layoutspeed8b")
 
 
+def phase_fp4speed8b() -> None:
+    """The 4-bit aux states alone (the final state kept whole: 0.46x bf16, no top-k) at the 8B shape, repeated
+    (``FP4_REPS``): the small layout's speed without the vocabulary head's product."""
+    RESULTS.setdefault("fp4speed8b", {})
+    redis_up()
+    fp4_alone = {"store_final": "all", "store_aux": "fp4"}
+    reps = int(os.environ.get("FP4_REPS", str(L8B_REPS)))
+    pipeline_reps("fp4speed8b", "bf16", MODELS / "l8b", int(os.environ.get("NPIPE8B", "1200")), reps, fp4_alone)
+    stop("s8b-plugin")
+    save("fp4speed8b")
+
+
 class Sampler:
     """Calls ``sample()`` every ``interval_s`` in a thread, from ``start()`` (or entering) to ``stop()``."""
 
@@ -1170,6 +1183,7 @@ ESTIMATE_S = {
     "fp8speed8b": 400,
     "bf16speed8b": 400,
     "layoutspeed8b": 480,
+    "fp4speed8b": 400,
     "diskpatterns": 90,
     "ref8b": 150,
     "train8b": 120,
@@ -1197,6 +1211,7 @@ PHASES = {
     "fp8speed8b": phase_fp8speed8b,
     "bf16speed8b": phase_bf16speed8b,
     "layoutspeed8b": phase_layoutspeed8b,
+    "fp4speed8b": phase_fp4speed8b,
     "diskpatterns": phase_diskpatterns,
     "ref8b": phase_ref8b,
     "train8b": phase_train8b,

@@ -1,6 +1,6 @@
 """The pipeline's speed at the 8B shape against its two ceilings: from the phases speed8b (plain SGLang, the bf16
-pipeline), fp8speed8b and layoutspeed8b (phases.py), each repetition's tokens/s over min(plain SGLang's median,
-the disk's fsync bandwidth probed just before it ÷ the bytes a token that repetition stored).
+pipeline), fp8speed8b, layoutspeed8b and fp4speed8b (phases.py), each repetition's tokens/s over min(plain SGLang's
+median, the disk's fsync bandwidth probed just before it ÷ the bytes a token that repetition stored).
 
     python bench/gpu/speedreport.py GPU_OUT_DIR bench/results      (writes gpu-speedrows.md and .json)
 """
@@ -10,7 +10,7 @@ import statistics
 import sys
 from pathlib import Path
 
-PHASES = {"speed8b": "bf16", "fp8speed8b": "fp8", "layoutspeed8b": "default layout"}
+PHASES = {"speed8b": "bf16", "fp8speed8b": "fp8", "layoutspeed8b": "default layout", "fp4speed8b": "fp4 aux alone"}
 GOAL = 0.95
 
 
