@@ -13,6 +13,8 @@ it. The trainer maps the ids onto its draft vocabulary and treats the rest of th
 The server computes it (it alone holds the LM head), with ``encode_topk``: plain torch, on its GPU or on the CPU.
 """
 
+from collections.abc import Iterator
+
 import torch
 
 from .layout import TopkError, check_k
@@ -33,13 +35,17 @@ def encode_topk(final: torch.Tensor, lm_head: torch.Tensor, k: int) -> tuple[tor
     check_k(k, lm_head.shape[0])
     ids = torch.empty(final.shape[0], k, dtype=torch.int32, device=final.device)
     logp = torch.empty(final.shape[0], k, dtype=torch.float16, device=final.device)
-    per_row = 4 * lm_head.shape[0]
-    for rows in row_blocks(final, _LOGITS_BYTES // per_row * 4 * final.shape[1]):
+    for rows in logit_blocks(final, lm_head.shape[0]):
         logits = final[rows] @ lm_head.T  # [t, V] in the states' dtype
         values, top = top_logits(logits, k)
         lse = torch.logsumexp(logits.float(), -1, keepdim=True)
         ids[rows], logp[rows] = top.to(torch.int32), (values.float() - lse).to(torch.float16)
     return ids, logp
+
+
+def logit_blocks(final: torch.Tensor, vocab_size: int) -> Iterator[slice]:
+    """Row blocks of ``final`` [T, H] whose logits over ``vocab_size`` tokens take about 256 MiB in float32."""
+    return row_blocks(final, _LOGITS_BYTES // (4 * vocab_size) * 4 * final.shape[1])
 
 
 def top_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

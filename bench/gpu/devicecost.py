@@ -27,20 +27,18 @@ import torch
 
 from eaglet.shared.fp4 import FP4_DEVICE_BLOCK_BYTES, encode_fp4
 from eaglet.shared.store import FP8_DEVICE_BLOCK_BYTES, encode_fp8
-from eaglet.shared.tensorfile import row_blocks
-from eaglet.shared.topk import encode_topk
+from eaglet.shared.topk import encode_topk, logit_blocks
 
 ROWS, K = int(os.environ.get("DEVICECOST_ROWS", "8192")), 24
 DEVICE = os.environ.get("DEVICECOST_DEVICE", "cuda")  # cpu: a dry run of the phase (tiny shapes: DEVICECOST_SHAPES)
 SHAPES = {"l8b": (4096, 128256), "kimi": (7168, 163840), "smol": (576, 49152), "tiny": (64, 40000)}
 PLAIN_MS_8B = 1000 * ROWS / 39549  # the plain server's time for one forward's tokens at the 8B shape
-_LOGITS_BYTES = 256 << 20  # as encode_topk's
 
 
 def full_select(final: torch.Tensor, head: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.empty(final.shape[0], k, dtype=torch.int32, device=final.device)
     logp = torch.empty(final.shape[0], k, dtype=torch.float16, device=final.device)
-    for rows in row_blocks(final, _LOGITS_BYTES // (4 * head.shape[0]) * 4 * final.shape[1]):
+    for rows in logit_blocks(final, head.shape[0]):
         logits = (final[rows] @ head.T).float()
         values, top = torch.log_softmax(logits, -1).topk(k, dim=-1)
         ids[rows], logp[rows] = top.to(torch.int32), values.to(torch.float16)
@@ -48,7 +46,7 @@ def full_select(final: torch.Tensor, head: torch.Tensor, k: int) -> tuple[torch.
 
 
 def head_product(final: torch.Tensor, head: torch.Tensor, k: int) -> None:
-    for rows in row_blocks(final, _LOGITS_BYTES // (4 * head.shape[0]) * 4 * final.shape[1]):
+    for rows in logit_blocks(final, head.shape[0]):
         final[rows] @ head.T
 
 
