@@ -550,7 +550,8 @@ def plugin_lines(name: str) -> list[str]:
     except OSError:
         return []
     keys = ("eaglet", "EAGLE-3", "dump", "Traceback", "Error", "chunk")
-    return [ln[:300] for ln in lines if any(k in ln for k in keys)][:40]
+    clock = [ln[:300] for ln in lines if "capture: " in ln]  # one a minute: what the capture cost the forwards
+    return [ln[:300] for ln in lines if any(k in ln for k in keys) and "capture: " not in ln][:40] + clock[-40:]
 
 
 # --- phases --------------------------------------------------------------------------------------------

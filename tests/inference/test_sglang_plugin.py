@@ -253,6 +253,14 @@ def test_writer_publishes_its_figures(sglang_cases):
     assert 0 < stats.peak_bytes <= stats.cap_bytes
 
 
+def test_the_capture_logs_what_it_costs_the_forwards_once_an_interval(sglang_cases):
+    results, _ = sglang_cases
+    first, second = results["clock"]  # nothing while the interval ran; then one line a forward at interval 0
+    assert first.startswith("capture: 2 forwards in ") and second.startswith("capture: 1 forwards in ")
+    for line in (first, second):
+        assert "ms of the scheduler's time" in line and "not timed (no GPU) of the device's (0 timed)" in line
+
+
 def test_no_temp_files_left(sglang_cases):
     _, dumps = sglang_cases
     assert not [n for n in _dump_files(dumps) if n.endswith(".tmp")]

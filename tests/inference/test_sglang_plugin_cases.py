@@ -320,6 +320,22 @@ def _cases(out: Path) -> dict:
         "errors": errors,
     }
 
+    # The capture's clock: its line once its interval has passed, with the forwards since the last one.
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("eaglet_sglang.plugin").addHandler(handler)
+    from eaglet_sglang.plugin import CaptureClock
+
+    plugin.clock = CaptureClock(every_s=3600.0)  # the forwards of the cases above are not this one's
+    wc = new_worker()
+    forward(wc, [(req("eaglet:run1:s-clock0:0", prompt(4, 250)), 0, 4)])
+    plugin.clock.every_s = 0.0
+    forward(wc, [(req("eaglet:run1:s-clock1:0", prompt(4, 260)), 0, 4)])
+    forward(wc, [(req("eaglet:run1:s-clock2:0", prompt(4, 270)), 0, 4)])
+    logging.getLogger("eaglet_sglang.plugin").removeHandler(handler)
+    results["clock"] = [line for line in lines if line.startswith("capture:")]
+
     # Capture: default layers, chosen layers (SGLang convention), and after the server flag chose others.
     from eaglet_sglang.plugin import DumpPlugin, DumpSettings, captured_layers
 

@@ -26,7 +26,8 @@ logged once and those requests get no dump, which their worker reports.
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,37 @@ class _Worker:
     """Why it could not be read: no top-k request is served, none is tried again."""
 
 
+@dataclass(slots=True)
+class CaptureClock:
+    """What the capture costs the forwards it rides on, logged every ``every_s``: the scheduler thread's time in the
+    hook (the next forward's launch waits for it) and, on a GPU, the device's time from the hook's first kernel to
+    its last copy (the forward's stream runs them before the next forward). Events are read once they have passed,
+    never waited for; at most ``pending.maxlen`` wait to be read."""
+
+    every_s: float = 60.0
+    forwards: int = 0
+    host_s: float = 0.0
+    device_ms: float = 0.0
+    timed: int = 0
+    pending: deque = field(default_factory=lambda: deque(maxlen=1024))
+    since: float = field(default_factory=time.monotonic)
+
+    def add(self, host_s: float, events: "tuple[torch.cuda.Event, torch.cuda.Event] | None") -> None:
+        self.forwards, self.host_s = self.forwards + 1, self.host_s + host_s
+        if events is not None:
+            self.pending.append(events)
+        while self.pending and self.pending[0][1].query():
+            first, last = self.pending.popleft()
+            self.device_ms, self.timed = self.device_ms + first.elapsed_time(last), self.timed + 1
+        now = time.monotonic()
+        if now - self.since >= self.every_s:
+            device = f"{self.device_ms / self.timed:.2f} ms" if self.timed else "not timed (no GPU)"
+            log.info("capture: %d forwards in %.0f s; a forward's hook took %.2f ms of the scheduler's time, its "
+                     "kernels and copies %s of the device's (%d timed)", self.forwards, now - self.since,
+                     1e3 * self.host_s / self.forwards, device, self.timed)  # fmt: skip
+            self.forwards, self.host_s, self.device_ms, self.timed, self.since = 0, 0.0, 0.0, 0, now
+
+
 class DumpPlugin:
     """Per-process state of the dump hooks: the collector, the writer, what each worker captures."""
 
@@ -130,6 +162,7 @@ class DumpPlugin:
         self._final: torch.Tensor | None = None
         self._next_expiry = 0.0
         self._warned: set[str] = set()
+        self.clock = CaptureClock()
 
     # --- hooks ---------------------------------------------------------------------------------
 
@@ -143,12 +176,14 @@ class DumpPlugin:
             final = self._final
         finally:
             self._armed, self._final = False, None
+        t0, events = time.perf_counter(), None
         try:
-            self._capture(worker, snapshot, result, final)
+            events = self._capture(worker, snapshot, result, final)
         except Exception:
             # Boundary between SGLang and the plugin: a fault here must not fail the batch. The
             # worker finds no dump for these rids and records that.
             log.error("dump capture failed for rids %s", [r.rid for r in snapshot.rows], exc_info=True)
+        self.clock.add(time.perf_counter() - t0, events)
         return result
 
     def around_init_attention_backends(self, original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -256,7 +291,11 @@ class DumpPlugin:
             self._warn_once(info.lm_head_problem)
         return info.lm_head
 
-    def _capture(self, worker: Any, snapshot: _Snapshot, result: Any, stashed: torch.Tensor | None) -> None:
+    def _capture(
+        self, worker: Any, snapshot: _Snapshot, result: Any, stashed: torch.Tensor | None
+    ) -> "tuple[torch.cuda.Event, torch.cuda.Event] | None":
+        """Encodes the forward's rows as each request asked, queues their copies to the host and hands complete
+        dumps to the writer; returns the events around its device work (None on a CPU, or when nothing was kept)."""
         info = self._worker(worker)
         out = getattr(result, "logits_output", None)
         aux = getattr(out, "hidden_states", None)
@@ -266,7 +305,7 @@ class DumpPlugin:
         problem = _check_outputs(aux, final, len(info.layer_ids), needed)
         if problem:
             self._warn_once(problem)
-            return
+            return None
         encodings = snapshot.encodings
         kept = snapshot.rows
         if aux.shape[-1] % FP4_BLOCK and any(encodings[r.rid].aux_fp4 for r in kept):
@@ -275,7 +314,8 @@ class DumpPlugin:
                             f"{FP4_BLOCK}: those requests get no dump")  # fmt: skip
             kept = [r for r in kept if not encodings[r.rid].aux_fp4]
             if not kept:
-                return
+                return None
+        first = record_event(aux.device)
         device = encode_forms(
             aux=aux[:needed], final=final[:needed], wanted=[dump_forms(e) for e in encodings.values()]
         )
@@ -299,6 +339,7 @@ class DumpPlugin:
         if now >= self._next_expiry:
             self._next_expiry = now + 1.0
             self.collector.expire()
+        return None if first is None or event is None else (first, event)
 
     def _topk(
         self, info: _Worker, snapshot: _Snapshot, final: torch.Tensor

@@ -39,10 +39,11 @@ def copy_rows(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
 
 
 def record_event(device: torch.device) -> "torch.cuda.Event | None":
-    """Marks the end of the copies just queued on the current stream (None on CPU: copies are done)."""
+    """An event on ``device``'s current stream after the work queued there so far (None on CPU: that work is done):
+    the end of a forward's copies, which the writer waits for, and both ends of the capture's device time."""
     if device.type != "cuda":
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(enable_timing=True)
     event.record(torch.cuda.current_stream(device))
     return event
 
