@@ -1184,7 +1184,7 @@ ESTIMATE_S = {
     "fp8speed8b": 400,
     "bf16speed8b": 400,
     "layoutspeed8b": 480,
-    "fp4speed8b": 400,
+    "fp4speed8b": 480,  # as layoutspeed8b; two repetitions after a 176 s first start were cut at 550 s with a third
     "diskpatterns": 90,
     "ref8b": 150,
     "train8b": 120,
