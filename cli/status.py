@@ -6,7 +6,7 @@ import time
 
 from redis import Redis
 from redis.exceptions import RedisError
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.markup import escape
 from rich.panel import Panel
@@ -20,7 +20,7 @@ from eaglet.shared.config import StatusSettings
 from eaglet.shared.connections import connect
 from eaglet.shared.records import FINISHED_STAGES
 from eaglet.shared.status import disk_usage, read_run, read_status
-from eaglet.shared.statusreport import Cluster, InferenceStatus, RunStatus
+from eaglet.shared.statusreport import Cluster, InferenceStatus, RunReport, RunStatus, StatusReport
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -131,7 +131,9 @@ def brief_lines(runs: list[RunStatus]) -> list[str]:
     return [r.brief for r in active or runs[:1]] or ["no run yet"]
 
 
-def snapshot(redis: Redis, args: argparse.Namespace, config: StatusConfig, disk) -> tuple[object, object | None]:
+def snapshot(
+    redis: Redis, args: argparse.Namespace, config: StatusConfig, disk: tuple[int, int] | None
+) -> tuple[StatusReport | RunReport | None, RenderableType | None]:
     """The report (for --json) and its rendering; the rendering is None if the run is unknown."""
     if args.run_id:
         report = read_run(redis, args.run_id, config=config, local_disk=disk)
@@ -143,7 +145,7 @@ def snapshot(redis: Redis, args: argparse.Namespace, config: StatusConfig, disk)
     report = read_status(redis, config=config, limit=args.limit, local_disk=disk)
     if args.brief:
         return report, Text("\n".join(brief_lines(report.runs)))
-    runs = [render_run(r) for r in report.runs] or [Text("no run yet")]
+    runs: list[RenderableType] = [render_run(r) for r in report.runs] or [Text("no run yet")]
     return report, Group(*runs, render_cluster(report.cluster, report.generated_at))
 
 
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     disk = disk_usage(settings.data_dir)
     try:
         report, view = snapshot(redis, args, config, disk)
-        if report is None:
+        if report is None or view is None:
             print(f"no run {args.run_id!r}", file=sys.stderr)
             return 1
         if args.json:

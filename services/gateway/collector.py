@@ -41,7 +41,7 @@ class StatusCollector(Collector):
 
 def _run_metrics(report: StatusReport) -> Iterator[Metric]:
     run = ["run"]
-    families = {
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
         "done": CounterMetricFamily("eaglet_samples_done", "Samples extracted and stored", labels=run),
         "failed": CounterMetricFamily("eaglet_samples_failed", "Samples given up", labels=run),
         "errors": CounterMetricFamily("eaglet_errors", "Errors recorded, transient ones included", labels=run),
@@ -117,7 +117,8 @@ def _number(value: float | str | None) -> float | None:
 
 def _accept_rates(evaluation: dict[str, float | str]) -> list[float]:
     """The per-position rates, which the status keeps as the JSON text the evaluation wrote."""
-    rates = json.loads(evaluation.get("accept_rate") or "[]")
+    text = evaluation.get("accept_rate")
+    rates = json.loads(text) if isinstance(text, str) else []
     return [float(r) for r in rates] if isinstance(rates, list) else []
 
 

@@ -22,14 +22,21 @@ def tokenize_conversation(
         raise BadLine(f"chat template cannot render this conversation: {type(e).__name__}: {e}") from e
 
 
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    if not isinstance(text, str):  # tokenize=False renders text; the stubs type every mode's reply as one union
+        raise TypeError(f"chat template rendered {type(text).__name__}, not text")
+    return text
+
+
 def _tokenize(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    full = _render(tokenizer, messages)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = _render(tokenizer, messages[:i], generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1])
         if not (through.startswith(before) and full.startswith(through)):
             raise BadLine(f"chat template does not render turn {i} as a prefix; cannot mark assistant tokens")
         spans.append((len(before), len(through)))

@@ -73,7 +73,8 @@ def plan_run(redis: Redis, rq_redis: Redis, run_id: str) -> int:
 
 def cut_batches(path: Path, size: int) -> tuple[list[Batch], int]:
     """Batches of ``size`` non-blank lines; returns them and the prompts in all."""
-    batches, line, prompt = [], 1, 0
+    batches: list[Batch] = []
+    line, prompt = 1, 0
     with open(path, "rb") as f:
         while True:
             offset, numbers = f.tell(), [number for number, _, _ in read_lines(f, line, size)]

@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from eaglet.shared.store import run_dir
 
@@ -33,7 +34,7 @@ class ResultFile:
     def __init__(self, path: Path):
         self.path = path
         self._lock = threading.Lock()
-        self._f = None
+        self._f: BinaryIO | None = None
 
     def open(self) -> dict[int, dict]:
         """The entries written so far, by prompt index; cuts off a torn last line."""
@@ -53,6 +54,7 @@ class ResultFile:
         return entries
 
     def append(self, entry: dict) -> None:
+        assert self._f is not None, "open() first: it cuts off a torn last line before anything is appended"
         data = (json.dumps(entry, ensure_ascii=False) + "\n").encode()
         with self._lock:
             self._f.write(data)
