@@ -4,7 +4,7 @@
     python3 bench/gpu/headtohead.py PHASE [PHASE...]     (from the repo root, after bench/gpu/install.sh)
 
 Phases (each skipped when an earlier call finished it; state in $GPUBENCH_ROOT/gpubench-results.json):
-  h2h-data       the conversations committed under bench/data/h2h/ when there are any; else SGLang with eaglet's
+  h2h-data       the conversations committed under data/h2h/ when there are any; else SGLang with eaglet's
                  plugin on the real SmolLM2: the target writes its own prompts (Magpie: sampled from its chat
                  template's user prefix, deduplicated, filtered); a share of conversations gets a second user
                  turn, sampled after the target's first answer; eaglet's regeneration stage (extractor workers ->
@@ -70,7 +70,7 @@ EVAL_DRAFTERS = os.environ.get("H2H_EVAL_DRAFTERS", "eaglet,specforge").split(",
 TOKENS_PER_BATCH, TRAINER_HELDOUT = 2048, 0.05  # eaglet's TrainConfig defaults, which the run keeps
 
 H2H = P.ROOT / "h2h"
-KEPT = P.REPO / "bench" / "data" / "h2h"  # the conversations an earlier run wrote, committed: later runs reuse them
+KEPT = P.REPO / "data" / "h2h"  # the conversations an earlier run wrote, committed: later runs reuse them
 SMOL = P.MODELS / "smollm2"
 SERVER = "h2h-sgl"
 # SpecForge's own environment: its staged folder, the `datasets` stand-in, SGLang 0.5.17's transformers
@@ -235,7 +235,7 @@ def phase_data() -> None:
              example=convs[0] if convs else None, http_errors=len(HTTP_ERRORS), first_http_errors=HTTP_ERRORS[:3],
              done=len(convs) > 0)  # fmt: skip
     P.log(f"h2h-data: {len(convs)} conversations, {R['multi_turn']} multi-turn, {len(held)} held out")
-    # kept for later runs (commit them under bench/data/h2h/ with data.json: bench/gpu/README.md)
+    # kept for later runs (commit them under data/h2h/ with data.json: bench/gpu/README.md)
     gzip_copy(H2H / "train.jsonl", P.OUT / "h2h-train.jsonl.gz")
     gzip_copy(H2H / "heldout.jsonl", P.OUT / "h2h-heldout.jsonl.gz")
 
@@ -760,7 +760,7 @@ def ablations() -> dict[str, str]:
 
 
 # The default recipe (lr 1e-3, norm before fc, noise 0.05 on the auxiliary states: chosen from the 2026-12-02
-# table, bench/results/gpu-headtohead.md), the one it replaced, each of its three changes taken back one at a time,
+# table, results/gpu-headtohead.md), the one it replaced, each of its three changes taken back one at a time,
 # and the levers not in it
 DEFAULT_ABLATIONS = (
     "base=;fp8=;was=--lr 1e-4 --no-norm-before-fc --aux-noise 0;lr3=--lr 3e-4;nonorm=--no-norm-before-fc;"
@@ -967,9 +967,9 @@ def evaluated(recipe: dict) -> bool:
 
 def phase_gate() -> None:
     """The release gate: eaglet's default recipe as this call's h2h-eval measured it, per position, against the
-    committed SpecForge figures (bench/results/gpu-headtohead.json): ratio >= 1.05 on every prompt set passes."""
+    committed SpecForge figures (results/gpu-headtohead.json): ratio >= 1.05 on every prompt set passes."""
     R = P.RESULTS.setdefault("h2h-gate", {})
-    committed = json.loads((P.REPO / "bench" / "results" / "gpu-headtohead.json").read_text())
+    committed = json.loads((P.REPO / "results" / "gpu-headtohead.json").read_text())
     ev = P.RESULTS.get("h2h-eval", {})
     chain = str(CHAINS[0])
     rows = []

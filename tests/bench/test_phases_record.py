@@ -58,7 +58,7 @@ def test_the_kept_conversations_are_the_data_phase(tmp_path, monkeypatch):
     H = importlib.reload(headtohead)  # its folders follow the phases module's
     H.phase_data()
     R = H.P.RESULTS["h2h-data"]
-    assert R["done"] and R["source"] == "bench/data/h2h" and R["conversations"] == 4004
+    assert R["done"] and R["source"] == "data/h2h" and R["conversations"] == 4004
     train = (H.H2H / "train.jsonl").read_text().splitlines()
     held = (H.H2H / "heldout.jsonl").read_text().splitlines()
     assert len(train) == R["conversations"] and len(held) == R["heldout_prompts"]
