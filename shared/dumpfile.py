@@ -5,9 +5,10 @@ reads it with ``read_dump`` and checks it with ``validate_dump``. A dump exists 
 is written under a temporary name and renamed.
 
 Tensors: ``hidden_states`` [T, H] (final layer, after the final norm: what the LM head reads) and
-``aux_hidden_states`` [T, 3H] (the residual stream entering each EAGLE-3 layer, concatenated in layer
-order), both in the model dtype. Metadata: ``rid``, ``num_tokens``, ``aux_layer_ids`` (SGLang's
-convention: the index of the layer whose input was captured), ``model``, ``dtype`` (the model's).
+``aux_hidden_states`` [T, K*H] (the residual stream entering each of the K captured layers, concatenated in layer
+order: EAGLE-3's three, DFlash's, or both), both in the model dtype. Metadata: ``rid``, ``num_tokens``,
+``aux_layer_ids`` (K ids, SGLang's convention: the index of the layer whose input was captured), ``model``, ``dtype``
+(the model's).
 
 A request may ask for its states fp8-encoded (``custom_params: {"eaglet_dump": "fp8"}``, sent when the run
 stores fp8): the server then encodes them on its device with the store's encoder before the copy to the host
@@ -24,7 +25,7 @@ worker fails the sample with that reason.
 
 A request may ask for its auxiliary states 4-bit encoded (``custom_params: {"eaglet_aux": "e2m1_b32"}``, sent when the
 run stores them so): the server encodes them on its device with the store's encoder (shared/fp4.py), and the dump
-holds ``aux_hidden_states_e2m1`` uint8 [T, 3H/2] and ``aux_hidden_states_block_scale`` bfloat16 [T, 3H/32] in place of
+holds ``aux_hidden_states_e2m1`` uint8 [T, K*H/2] and ``aux_hidden_states_block_scale`` bfloat16 [T, K*H/32] in place of
 ``aux_hidden_states``, metadata ``aux_storage: e2m1_b32``; the worker stores them as they are. With both, a dump of
 the default layout is what the store keeps (0.22 of a bf16 dump at H 4,096): no host work but the check and the copy.
 """
@@ -143,7 +144,7 @@ def encode_forms(final: torch.Tensor, aux: torch.Tensor, wanted: Iterable[dict[s
 @dataclass
 class Dump:
     hidden_states: torch.Tensor | None  # [T, H]; None in a dump of the top-k in its place
-    aux_hidden_states: torch.Tensor | None  # [T, 3H]; None in a dump of 4-bit aux states (``aux_fp4``)
+    aux_hidden_states: torch.Tensor | None  # [T, K*H]; None in a dump of 4-bit aux states (``aux_fp4``)
     metadata: dict[str, str]
     slices: dict[str, FileSlice] = field(default_factory=dict)
     """Where the tensors lie in the dump file: a store that keeps them as they are copies these."""
@@ -171,16 +172,28 @@ class Dump:
 
     @property
     def hidden_size(self) -> int:
-        """H, read from whichever state the dump holds (the aux states are 3H wide; 4-bit codes hold two a byte)."""
+        """H, read from whichever state the dump holds (the aux states are K*H wide; 4-bit codes hold two a byte)."""
         if self.hidden_states is not None:
             return self.hidden_states.shape[-1]
+        return self.aux_width // len(self.aux_layer_ids)
+
+    @property
+    def aux_width(self) -> int:
+        """K*H: the aux states' width, at full width or 4-bit encoded."""
         if self.aux_hidden_states is not None:
-            return self.aux_hidden_states.shape[-1] // 3
-        return 2 * self.aux_fp4[FP4_AUX_TENSORS[0]].shape[-1] // 3
+            return self.aux_hidden_states.shape[-1]
+        return 2 * self.aux_fp4[FP4_AUX_TENSORS[0]].shape[-1]
 
     @property
     def aux_layer_ids(self) -> list[int]:
-        return json.loads(self.metadata["aux_layer_ids"])
+        """The K layers the aux states were captured at; ``DumpInvalid`` for metadata that names none."""
+        try:
+            ids = json.loads(self.metadata["aux_layer_ids"])
+        except (KeyError, ValueError) as e:
+            raise DumpInvalid(f"dump {self.metadata.get('rid')}: no readable aux_layer_ids in its metadata") from e
+        if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+            raise DumpInvalid(f"dump {self.metadata.get('rid')}: aux_layer_ids {ids!r} is not a list of layer ids")
+        return ids
 
 
 def dump_path(dump_dir: Path, rid: str) -> Path:
@@ -278,18 +291,20 @@ def read_dump(path: Path) -> Dump:
 
 
 def validate_dump(
-    dump: Dump, *, rid: str, num_tokens: int, hidden_size: int, num_aux: int = 3, topk: int = 0,
-    vocab_size: int | None = None, aux_fp4: bool = False,
+    dump: Dump, *, rid: str, num_tokens: int, hidden_size: int, topk: int = 0, vocab_size: int | None = None,
+    aux_fp4: bool = False,
 ) -> None:  # fmt: skip
     """Raises ``DumpInvalid`` with the reason unless the dump is this request's, whole and finite, with what it was
     asked for: the top-k distribution of ``topk`` entries over ``vocab_size`` tokens (``topk`` > 0; else the final
-    state), the aux states 4-bit encoded (``aux_fp4``; else at full width)."""
+    state), the aux states 4-bit encoded (``aux_fp4``; else at full width), K states of ``hidden_size`` for the K
+    layers its metadata names."""
     where = f"dump {rid}"
     if topk:
         _validate_topk(dump, where, num_tokens, topk, vocab_size)
     got_rid = dump.metadata.get("rid")
     if got_rid != rid:
         raise DumpInvalid(f"{where}: metadata rid is {got_rid!r}")
+    num_aux = len(dump.aux_layer_ids)
     if not topk and dump.hidden_states is None:
         raise DumpInvalid(f"{where}: holds no hidden_states (the final state), and no top-k was asked for")
     if aux_fp4 != bool(dump.aux_fp4):
@@ -306,7 +321,10 @@ def validate_dump(
     full = dump.full_width
     for name, t in full.items():
         if tuple(t.shape) != (num_tokens, widths[name]):
-            raise DumpInvalid(f"{where}: {name} shape {tuple(t.shape)}, expected ({num_tokens}, {widths[name]})")
+            layers = f" ({num_aux} layers {dump.aux_layer_ids} of {hidden_size})" if name == "aux_hidden_states" else ""
+            raise DumpInvalid(
+                f"{where}: {name} shape {tuple(t.shape)}, expected ({num_tokens}, {widths[name]}){layers}"
+            )
     dtypes = {t.dtype for t in full.values()}
     if len(dtypes) > 1 or not all(d.is_floating_point for d in dtypes):
         raise DumpInvalid(f"{where}: dtypes {' / '.join(str(t.dtype) for t in full.values())}, expected one "

@@ -21,6 +21,7 @@ from typing import Literal, cast, get_args
 FinalStorage = Literal["all", "loss", "topk"]
 AuxStorage = Literal["full", "fp4"]
 NUM_AUX = 3
+"""Aux states a token of a run that records no layers (EAGLE-3's three); a run's own count is its layers'."""
 IDS_MASK_BYTES = 5  # int32 input id + uint8 loss mask a token
 FP4_BLOCK = 32
 """Elements of a row sharing one scale in 4-bit storage (shared/fp4.py)."""
@@ -103,17 +104,23 @@ def state_bytes(width: int, dtype: str, model_itemsize: int = 2) -> float:
 
 
 def bytes_per_token(
-    hidden_size: int, layout: Layout, store_dtype: str, *, loss_fraction: float = 1.0, model_itemsize: int = 2
+    hidden_size: int,
+    layout: Layout,
+    store_dtype: str,
+    *,
+    loss_fraction: float = 1.0,
+    model_itemsize: int = 2,
+    num_aux: int = NUM_AUX,
 ) -> float:
     """Stored bytes a token of a ``layout`` / ``store_dtype`` sample, headers aside: the ids and mask, the final state
-    (or its top-k, or its share at loss positions: ``loss_fraction`` of the tokens), and the three aux states."""
+    (or its top-k, or its share at loss positions: ``loss_fraction`` of the tokens), and the ``num_aux`` aux states."""
     if layout.final == "all":
         final = state_bytes(hidden_size, store_dtype, model_itemsize)
     elif layout.final == "loss":
         final = loss_fraction * state_bytes(hidden_size, store_dtype, model_itemsize)
     else:
         final = 6 * layout.topk  # int32 id + float16 log-probability an entry
-    width = NUM_AUX * hidden_size
+    width = num_aux * hidden_size
     if layout.aux == "fp4":
         aux = width / 2 + 2 * width / FP4_BLOCK  # 4-bit codes + one bfloat16 scale a block
     else:

@@ -44,6 +44,30 @@ def test_dump_round_trip_and_validation(tmp_path):
         validate_dump(bad, rid="eaglet:r:s:3", num_tokens=5, hidden_size=8)
 
 
+def test_dump_of_any_number_of_layers(tmp_path):
+    """K*H wide aux states for the K layers the metadata names: DFlash's five, or one."""
+    h = torch.randn(5, 8)
+    five = read_dump(write_dump(tmp_path, "eaglet:r:s:1", h, torch.randn(5, 40), aux_layer_ids=[1, 2, 3, 4, 5],
+                                model="m"))  # fmt: skip
+    validate_dump(five, rid="eaglet:r:s:1", num_tokens=5, hidden_size=8)
+    assert five.aux_layer_ids == [1, 2, 3, 4, 5] and five.hidden_size == 8
+    topk = (torch.zeros(5, 1, dtype=torch.int32), torch.zeros(5, 1, dtype=torch.float16))
+    one = read_dump(
+        write_dump(tmp_path, "eaglet:r:s:2", None, torch.randn(5, 8), aux_layer_ids=[4], model="m", topk=topk)
+    )
+    assert one.hidden_size == 8  # from the aux states alone, over its one layer
+    short = read_dump(write_dump(tmp_path, "eaglet:r:s:3", h, torch.randn(5, 24), aux_layer_ids=[1, 2, 3, 4, 5],
+                                 model="m"))  # fmt: skip
+    with pytest.raises(DumpInvalid, match=r"aux_hidden_states shape \(5, 24\), expected \(5, 40\) \(5 layers "):
+        validate_dump(short, rid="eaglet:r:s:3", num_tokens=5, hidden_size=8)
+    for bad in ("[]", '"1,2"', "[1.5]"):
+        path = write_dump(tmp_path, "eaglet:r:s:4", h, torch.randn(5, 8), aux_layer_ids=[1], model="m")
+        dump = read_dump(path)
+        dump.metadata["aux_layer_ids"] = bad
+        with pytest.raises(DumpInvalid, match="is not a list of layer ids"):
+            validate_dump(dump, rid="eaglet:r:s:4", num_tokens=5, hidden_size=8)
+
+
 def test_truncated_dump_is_rejected(tmp_path):
     path = write_dump(tmp_path, "eaglet:r:s:1", torch.randn(5, 8), torch.randn(5, 24), aux_layer_ids=[1], model="m")
     os.truncate(path, path.stat().st_size - 10)

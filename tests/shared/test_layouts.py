@@ -26,14 +26,14 @@ from eaglet.shared.topk import TOPK_TENSORS, check_topk, encode_topk, top_logits
 H, V, T = 64, 300, 12
 
 
-def sample(seed: int = 0) -> dict[str, torch.Tensor]:
+def sample(seed: int = 0, num_aux: int = 3) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1], dtype=torch.uint8)
     return {
         "input_ids": torch.arange(T, dtype=torch.int32),
         "loss_mask": mask,
         "hidden_states": torch.randn(T, H, generator=g),
-        "aux_hidden_states": torch.randn(T, 3 * H, generator=g) * 4,
+        "aux_hidden_states": torch.randn(T, num_aux * H, generator=g) * 4,
     }
 
 
@@ -125,12 +125,15 @@ def test_k_out_of_range_is_refused_at_the_options_and_at_the_server():
 
 def test_a_dump_without_the_topk_it_was_asked_for_is_refused():
     s = sample()
-    dump = Dump(s["hidden_states"], s["aux_hidden_states"], {"rid": "r", "num_tokens": str(T)})
+    dump = Dump(
+        s["hidden_states"], s["aux_hidden_states"], {"rid": "r", "num_tokens": str(T), "aux_layer_ids": "[1, 2, 3]"}
+    )
     with pytest.raises(DumpInvalid, match="dump r: asked for the top-4 distribution, the dump holds none"):
         validate_dump(dump, rid="r", num_tokens=T, hidden_size=H, topk=4, vocab_size=V)
     validate_dump(dump, rid="r", num_tokens=T, hidden_size=H)
 
 
+@pytest.mark.parametrize("num_aux", [3, 5], ids=["eagle3", "dflash5"])
 @pytest.mark.parametrize("store_dtype", ["model", "bf16", "fp8"])
 @pytest.mark.parametrize(
     "layout",
@@ -144,8 +147,10 @@ def test_a_dump_without_the_topk_it_was_asked_for_is_refused():
     ],  # fmt: skip
     ids=lambda x: x.name,
 )
-def test_each_layout_stores_what_it_says_reads_back_and_costs_what_the_count_says(tmp_path, layout, store_dtype):
-    s = sample()
+def test_each_layout_stores_what_it_says_reads_back_and_costs_what_the_count_says(
+    tmp_path, layout, store_dtype, num_aux
+):
+    s = sample(num_aux=num_aux)
     head = torch.randn(V, H)
     s.update(zip(("topk_ids", "topk_logp"), encode_topk(s["hidden_states"], head, 6), strict=True))
     path = tmp_path / "s.safetensors"
@@ -170,9 +175,11 @@ def test_each_layout_stores_what_it_says_reads_back_and_costs_what_the_count_say
         if layout.final == "loss":
             assert not sample_is_complete(path, T, len(rows) + 1)
     aux_err = (back["aux_hidden_states"] - s["aux_hidden_states"]).norm() / s["aux_hidden_states"].norm()
+    assert back["aux_hidden_states"].shape == (T, num_aux * H)
     assert float(aux_err) < (0.12 if layout.aux == "fp4" else tol), float(aux_err)
     itemsize = 4 if store_dtype == "model" else 2
-    expected = bytes_per_token(H, layout, store_dtype, loss_fraction=len(rows) / T, model_itemsize=itemsize) * T
+    expected = T * bytes_per_token(H, layout, store_dtype, loss_fraction=len(rows) / T, model_itemsize=itemsize,
+                                   num_aux=num_aux)  # fmt: skip
     assert 0 <= size - expected < 2048, (size, expected)  # the rest: the header
 
 
@@ -186,6 +193,7 @@ def test_bytes_per_token_at_the_two_shapes():
         bytes_per_token(7168, top_fp4, "bf16") / bytes_per_token(7168, bf16, "bf16"), 0.2143, abs_tol=1e-3
     )
     assert bytes_per_token(576, Layout(final="loss"), "fp8", loss_fraction=0.5) == 5 + 0.5 * 580 + 3 * 576 + 4
+    assert bytes_per_token(576, top_fp4, "bf16", num_aux=5) == 5 + 6 * 32 + 5 * 576 * (0.5 + 2 / 32)
 
 
 def test_fp8_aux_states_are_never_rounded_again_to_four_bits():
