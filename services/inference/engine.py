@@ -1,8 +1,8 @@
-"""The reference engine: a Hugging Face causal LM that returns, per prompt, the states an EAGLE-3
-drafter learns from. Same contract as SGLang with eaglet's plugin, built on transformers.
+"""The reference engine: a Hugging Face causal LM that returns, per prompt, the states a drafter (EAGLE-3,
+DFlash) learns from. Same contract as SGLang with eaglet's plugin, built on transformers.
 
-Captured: the residual stream entering layers ``aux_layer_ids`` (SGLang's convention: capture point i
-is the input of layer i, which is ``hidden_states[i]`` in transformers' tuple) and the final layer's
+Captured: the residual stream entering layers ``aux_layer_ids``, any number of them (SGLang's convention: capture
+point i is the input of layer i, which is ``hidden_states[i]`` in transformers' tuple) and the final layer's
 output after the final norm.
 """
 
@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglet.shared.dumpfile import DumpEncoding, dump_forms, encode_forms
-from eaglet.shared.layers import default_layer_ids
+from eaglet.shared.layers import default_layer_ids, layer_ids_problem
 from eaglet.shared.topk import TOPK_TENSORS, encode_topk
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,16 @@ class Prefill:
 
 
 class ReferenceEngine:
-    def __init__(self, model_dir: Path, *, device: str | None = None, dtype: str | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        aux_layer_ids: list[int] | None = None,
+    ):
+        """``aux_layer_ids``: the layers to capture (None: EAGLE-3's default for the model); ``ValueError`` for ids
+        the model cannot give."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = (
             getattr(torch, dtype) if dtype else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -47,7 +56,10 @@ class ReferenceEngine:
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
         self.max_positions = getattr(config, "max_position_embeddings", 1 << 30)
-        self.aux_layer_ids = default_layer_ids(self.num_layers)
+        self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else default_layer_ids(self.num_layers)
+        problem = layer_ids_problem(self.aux_layer_ids, self.num_layers)
+        if problem:
+            raise ValueError(f"EAGLET_AUX_LAYER_IDS={','.join(map(str, self.aux_layer_ids))} ({model_dir}): {problem}")
         log.info("engine: %s on %s (%s), aux layers %s", model_dir, self.device, self.dtype, self.aux_layer_ids)
 
     @torch.inference_mode()
@@ -65,7 +77,7 @@ class ReferenceEngine:
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True
         )
         final = out.last_hidden_state  # [B, T, H], after the final norm
-        aux = torch.cat([out.hidden_states[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
+        aux = torch.cat([out.hidden_states[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, K*H]
         last = final[torch.arange(len(prompts)), torch.tensor(lengths) - 1]  # [B, H]
         next_tokens = self.model.lm_head(last).argmax(-1).tolist()
         return [

@@ -1,16 +1,18 @@
 """Entry point of the reference inference server: ``python -m eaglet.services.inference.main``."""
 
 import argparse
+from typing import Annotated
 
 import uvicorn
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from eaglet.services.inference.batcher import Batcher
 from eaglet.services.inference.engine import ReferenceEngine
 from eaglet.services.inference.server import create_app
 from eaglet.shared.config import Settings
 from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES, DEFAULT_THREADS, DumpWriter
+from eaglet.shared.layers import parse_layer_ids
 from eaglet.shared.logs import setup_logging
 from eaglet.shared.target import resolve_model_dir
 
@@ -33,6 +35,15 @@ class InferenceSettings(Settings):
     shown in /status). SGLang's plugin reads the same variable."""
     dump_writer_threads: int = Field(DEFAULT_THREADS, gt=0)
     """Dumps written at once. SGLang's plugin reads the same variable."""
+    aux_layer_ids: Annotated[list[int] | None, NoDecode] = None
+    """``EAGLET_AUX_LAYER_IDS``, comma-separated (``2,15,27``; SGLang's plugin reads the same variable): the layers
+    whose input every dump captures, any number of them (EAGLE-3's and DFlash's together serve runs of both). Unset:
+    EAGLE-3's ``default_layer_ids(L)``. Checked against the model's layers at start."""
+
+    @field_validator("aux_layer_ids", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        return parse_layer_ids(value, "EAGLET_AUX_LAYER_IDS") if isinstance(value, str) and value else value or None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = InferenceSettings(**overrides)
     setup_logging()
     engine = ReferenceEngine(
-        resolve_model_dir(settings.model, settings.model_cache_dir), device=settings.device, dtype=settings.dtype
+        resolve_model_dir(settings.model, settings.model_cache_dir),
+        device=settings.device,
+        dtype=settings.dtype,
+        aux_layer_ids=settings.aux_layer_ids,
     )
     batcher = Batcher(
         engine,
