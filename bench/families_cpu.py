@@ -9,8 +9,8 @@ server. Then the trainer with bench/quality.py's CPU flags (the same epochs and 
 speculative evaluation on the held-out demo prompts (``data/demo/eval.jsonl``): k = 3 drafts a round, every output
 compared with plain greedy decoding.
 
-    python bench/families_cpu.py                                  # smollm2 and gemma3: ~45 min on 2 busy cores
-    python bench/families_cpu.py --models gemma3 --prompts 16 --epochs 1 --eval-prompts 1   # a quick look
+    python -m bench.families_cpu                                  # smollm2 and gemma3: ~45 min on 2 busy cores
+    python -m bench.families_cpu --models gemma3 --prompts 16 --epochs 1 --eval-prompts 1   # a quick look
 """
 
 import argparse
@@ -21,19 +21,19 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import load, save_result
+from bench.quality import Bench, serving, start_bench, train_and_eval, train_flags
+from eaglet.shared import regeneration
+from eaglet.shared.config import Settings
+from eaglet.shared.connections import connect, connect_raw
+from eaglet.shared.runoptions import RegenerateOptions, RunOptions
+from eaglet.shared.runs import queue_run
+from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared.store import drafter_dir
+from eaglet.shared.target import BUNDLED, resolve_model_dir, text_config
 
-from bench.common import load, save_result  # noqa: E402
-from bench.quality import Bench, serving, start_bench, train_and_eval, train_flags  # noqa: E402
-from eaglet.shared import regeneration  # noqa: E402
-from eaglet.shared.config import Settings  # noqa: E402
-from eaglet.shared.connections import connect, connect_raw  # noqa: E402
-from eaglet.shared.runoptions import RegenerateOptions, RunOptions  # noqa: E402
-from eaglet.shared.runs import queue_run  # noqa: E402
-from eaglet.shared.runstate import RunState, Stage  # noqa: E402
-from eaglet.shared.store import drafter_dir  # noqa: E402
-from eaglet.shared.target import BUNDLED, resolve_model_dir, text_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 PROMPTS = ROOT / "data" / "demo" / "prompts-train.jsonl"
 RUN = "src"
@@ -139,7 +139,7 @@ def main() -> int:
                         eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens)  # fmt: skip
     figures: dict = {"prompts": args.prompts, "regenerate": asdict(options),
                      "train_flags": " ".join(flags), "targets": []}  # fmt: skip
-    command = " ".join(["python bench/families_cpu.py", *sys.argv[1:]])
+    command = " ".join(["python -m bench.families_cpu", *sys.argv[1:]])
     for model in args.models.split(","):
         started = time.perf_counter()
         row = measure(model, source, options, flags, args.keep)

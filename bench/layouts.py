@@ -8,8 +8,8 @@ between runs is the storage. Each run is trained with the demo's recipe by ``pyt
 in its own process and evaluated by eaglet's speculative decoding on the held-out demo prompts; every seed trains
 every layout.
 
-    python bench/layouts.py                      # 300 conversations, 5 layouts x 2 seeds: ~50 min on 2 busy cores
-    python bench/layouts.py --limit 40 --seeds 0 --layouts bf16=all:0:full,top32=topk:32:full --eval-prompts 2
+    python -m bench.layouts                      # 300 conversations, 5 layouts x 2 seeds: ~50 min on 2 busy cores
+    python -m bench.layouts --limit 40 --seeds 0 --layouts bf16=all:0:full,top32=topk:32:full --eval-prompts 2
 """
 
 import argparse
@@ -20,18 +20,18 @@ from pathlib import Path
 
 from redis import Redis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import load, save_result
+from bench.quality import derive_run, extract_source, start_bench, train_and_eval
+from eaglet.cli.demo import DEMO_EVAL_FLAGS, DEMO_TRAIN_FLAGS
+from eaglet.shared.layout import Layout, bytes_per_token
+from eaglet.shared.runstate import RunState
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.store import samples_dir
+from eaglet.shared.target import resolve_model_dir
+from eaglet.shared.targettensors import load_target_tensors
 
-from bench.common import load, save_result  # noqa: E402
-from bench.quality import derive_run, extract_source, start_bench, train_and_eval  # noqa: E402
-from eaglet.cli.demo import DEMO_EVAL_FLAGS, DEMO_TRAIN_FLAGS  # noqa: E402
-from eaglet.shared.layout import Layout, bytes_per_token  # noqa: E402
-from eaglet.shared.runstate import RunState  # noqa: E402
-from eaglet.shared.samples import SampleSet  # noqa: E402
-from eaglet.shared.store import samples_dir  # noqa: E402
-from eaglet.shared.target import resolve_model_dir  # noqa: E402
-from eaglet.shared.targettensors import load_target_tensors  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 # name=final:k:aux; the first is the reference every other is compared with
 LAYOUTS = "bf16=all:0:full,loss=loss:0:full,fp4=all:0:fp4,top32=topk:32:full,top32-fp4=topk:32:fp4"
@@ -92,7 +92,7 @@ def main() -> int:
     flags = [*DEMO_TRAIN_FLAGS, "--max-steps", str(args.max_steps), *DEMO_EVAL_FLAGS,
              "--eval-num-prompts", str(args.eval_prompts)]  # fmt: skip
     figures: dict = {"conversations": args.limit, "train_flags": " ".join(flags), "runs": []}
-    cmd = " ".join(["python bench/layouts.py", *sys.argv[1:]])
+    cmd = " ".join(["python -m bench.layouts", *sys.argv[1:]])
     try:
         redis = Redis.from_url(bench.settings.redis_url, decode_responses=True)
         figures["extraction"] = extract_source(redis, bench, "layouts", args.limit)

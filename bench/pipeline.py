@@ -11,8 +11,8 @@ in the order raw, capture, pipeline, raw, capture, pipeline, ..., raw (A/B/A: dr
 between the raw phases). Also measures the data disk's sequential durable write bandwidth, so the pipeline is
 compared with min(server tokens/s, disk bandwidth / bytes per token).
 
-    python bench/pipeline.py                      # 30 conversations, 2 workers, 2 rounds: a few minutes
-    python bench/pipeline.py --limit 300 --rounds 3 --workers 4
+    python -m bench.pipeline                      # 30 conversations, 2 workers, 2 rounds: a few minutes
+    python -m bench.pipeline --limit 300 --rounds 3 --workers 4
 """
 
 import argparse
@@ -29,20 +29,20 @@ from pathlib import Path
 import httpx
 from redis import Redis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import load, save_result
+from eaglet.cli.stack import LocalStack
+from eaglet.services.ingest.jobs import ingest_new_run
+from eaglet.shared.config import Settings
+from eaglet.shared.dumpfile import dump_path
+from eaglet.shared.ids import make_rid
+from eaglet.shared.redisserver import RedisServer, free_port
+from eaglet.shared.runoptions import EVERY_STATE, RunOptions
+from eaglet.shared.runstate import RunState
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.store import samples_dir
 
-from bench.common import load, save_result  # noqa: E402
-from eaglet.cli.stack import LocalStack  # noqa: E402
-from eaglet.services.ingest.jobs import ingest_new_run  # noqa: E402
-from eaglet.shared.config import Settings  # noqa: E402
-from eaglet.shared.dumpfile import dump_path  # noqa: E402
-from eaglet.shared.ids import make_rid  # noqa: E402
-from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
-from eaglet.shared.runoptions import EVERY_STATE, RunOptions  # noqa: E402
-from eaglet.shared.runstate import RunState  # noqa: E402
-from eaglet.shared.samples import SampleSet  # noqa: E402
-from eaglet.shared.store import samples_dir  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 DATASET = ROOT / "data" / "demo" / "train.jsonl"
 
@@ -166,7 +166,7 @@ def main() -> int:
     figures = summarize(phases, disk_bps, bytes_per_token)
     figures.update(phases=phases, workers=args.workers, conversations=args.limit)
     print(json.dumps({k: v for k, v in figures.items() if k != "phases"}, indent=1))
-    cmd = " ".join(["python bench/pipeline.py", *sys.argv[1:]])
+    cmd = " ".join(["python -m bench.pipeline", *sys.argv[1:]])
     print("wrote", save_result("pipeline", cmd, figures, load_before))
     if args.folder is None:
         shutil.rmtree(folder, ignore_errors=True)

@@ -7,8 +7,8 @@ states, so the only difference is the storage), and bf16 runs restricted to the 
 bitmap). Each run is trained by ``python -m eaglet.services.trainer.main`` in its own process (its peak RSS is
 measured) and evaluated by real speculative decoding on the held-out demo prompts (``data/demo/eval.jsonl``).
 
-    python bench/quality.py                                   # 60 conversations, curve 20/60: ~15 min on 2 busy cores
-    python bench/quality.py --limit 300 --curve 75,150,300 --epochs 4
+    python -m bench.quality                                   # 60 conversations, curve 20/60: ~15 min on 2 busy cores
+    python -m bench.quality --limit 300 --curve 75,150,300 --epochs 4
 """
 
 import argparse
@@ -28,20 +28,20 @@ import torch
 from redis import Redis
 from redis.client import NEVER_DECODE
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import load, save_result
+from bench.pipeline import pipeline_phase
+from eaglet.cli.stack import LocalStack
+from eaglet.shared.config import Settings
+from eaglet.shared.keys import RunKeys
+from eaglet.shared.layout import Layout
+from eaglet.shared.redisserver import RedisServer, free_port
+from eaglet.shared.runstate import RunState
+from eaglet.shared.samples import SampleSet
+from eaglet.shared.store import open_sample, read_metadata, sample_path, samples_dir, write_sample
+from eaglet.shared.topk import TOPK_TENSORS, encode_topk
 
-from bench.common import load, save_result  # noqa: E402
-from bench.pipeline import pipeline_phase  # noqa: E402
-from eaglet.cli.stack import LocalStack  # noqa: E402
-from eaglet.shared.config import Settings  # noqa: E402
-from eaglet.shared.keys import RunKeys  # noqa: E402
-from eaglet.shared.layout import Layout  # noqa: E402
-from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
-from eaglet.shared.runstate import RunState  # noqa: E402
-from eaglet.shared.samples import SampleSet  # noqa: E402
-from eaglet.shared.store import open_sample, read_metadata, sample_path, samples_dir, write_sample  # noqa: E402
-from eaglet.shared.topk import TOPK_TENSORS, encode_topk  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 EVAL = ROOT / "data" / "demo" / "eval.jsonl"
 
@@ -198,7 +198,7 @@ def main() -> int:
     if f"fp8-{top}" in by:
         bf16, fp8 = by[f"bf16-{top}"]["accept_length"], by[f"fp8-{top}"]["accept_length"]
         figures["fp8_accept_loss"] = round((bf16 - fp8) / bf16, 4)
-    cmd = " ".join(["python bench/quality.py", *sys.argv[1:]])
+    cmd = " ".join(["python -m bench.quality", *sys.argv[1:]])
     print("wrote", save_result("quality", cmd, figures, load_before))
     return 0
 

@@ -5,8 +5,8 @@ Extracts the first ``--limit`` demo conversations once through the real pipeline
 then trains one run a setting on that same extraction, each by ``python -m eaglet.services.trainer.main`` in its
 own process with its speculative-decoding evaluation on the held-out demo prompts.
 
-    python bench/recipe.py                       # 300 conversations, 4 settings: ~40 min on 2 busy cores
-    python bench/recipe.py --limit 150 --eval-prompts 4 --settings default=16384:1:1e-4,tpb2048=2048:1:1e-4
+    python -m bench.recipe                       # 300 conversations, 4 settings: ~40 min on 2 busy cores
+    python -m bench.recipe --limit 150 --eval-prompts 4 --settings default=16384:1:1e-4,tpb2048=2048:1:1e-4
 """
 
 import argparse
@@ -16,12 +16,12 @@ from pathlib import Path
 
 from redis import Redis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import load, save_result
+from bench.quality import derive_run, extract_source, start_bench, train_and_eval
+from eaglet.shared.runstate import RunState
 
-from bench.common import load, save_result  # noqa: E402
-from bench.quality import derive_run, extract_source, start_bench, train_and_eval  # noqa: E402
-from eaglet.shared.runstate import RunState  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 # name=tokens_per_batch:epochs:lr; the first is the trainer's default schedule
 SETTINGS = "default=16384:1:1e-4,tpb2048=2048:1:1e-4,epochs3=16384:3:1e-4,tpb2048-epochs3=2048:3:1e-4"
@@ -51,7 +51,7 @@ def main() -> int:
               "--loader-workers", "0", "--checkpoint-every", "100000", "--eval-k", "3", "--eval-max-new-tokens", "64",
               "--eval-num-prompts", str(args.eval_prompts)]  # fmt: skip
     figures: dict = {"conversations": args.limit, "train_flags": " ".join(common), "runs": []}
-    cmd = " ".join(["python bench/recipe.py", *sys.argv[1:]])
+    cmd = " ".join(["python -m bench.recipe", *sys.argv[1:]])
     try:
         redis = Redis.from_url(bench.settings.redis_url, decode_responses=True)
         figures["extraction"] = extract_source(redis, bench, "recipe", args.limit)

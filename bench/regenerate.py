@@ -10,8 +10,8 @@ prompts (the demo's), ``rounds`` times each:
 Both phases are greedy with the same max_tokens, so both write the same tokens; the figures are prompts/s and
 tokens/s out, and the stage's share of the endpoint's.
 
-    python bench/regenerate.py                        # 32 prompts, 48 new tokens, 2 workers x 4, 3 rounds
-    python bench/regenerate.py --prompts 64 --max-new-tokens 96 --workers 2 --concurrency 8
+    python -m bench.regenerate                        # 32 prompts, 48 new tokens, 2 workers x 4, 3 rounds
+    python -m bench.regenerate --prompts 64 --max-new-tokens 96 --workers 2 --concurrency 8
 """
 
 import argparse
@@ -26,18 +26,18 @@ from pathlib import Path
 
 from redis import Redis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import load, save_result
+from eaglet.cli.stack import LocalStack
+from eaglet.services.regenerate.chatclient import ChatClient
+from eaglet.services.regenerate.jobs import plan_run
+from eaglet.shared.redisserver import RedisServer, free_port
+from eaglet.shared.regeneration import Progress
+from eaglet.shared.runoptions import RegenerateOptions, RunOptions
+from eaglet.shared.runs import create_run
+from eaglet.shared.runstate import RunState, Stage
 
-from bench.common import load, save_result  # noqa: E402
-from eaglet.cli.stack import LocalStack  # noqa: E402
-from eaglet.services.regenerate.chatclient import ChatClient  # noqa: E402
-from eaglet.services.regenerate.jobs import plan_run  # noqa: E402
-from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
-from eaglet.shared.regeneration import Progress  # noqa: E402
-from eaglet.shared.runoptions import RegenerateOptions, RunOptions  # noqa: E402
-from eaglet.shared.runs import create_run  # noqa: E402
-from eaglet.shared.runstate import RunState, Stage  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 PROMPTS = ROOT / "data" / "demo" / "prompts-train.jsonl"
 
@@ -132,7 +132,7 @@ def main() -> int:
                                               for s, e in zip(phases["stage"], phases["endpoint"], strict=True)]),
         "phases": phases,
     }  # fmt: skip
-    command = "python bench/regenerate.py " + " ".join(sys.argv[1:])
+    command = "python -m bench.regenerate " + " ".join(sys.argv[1:])
     out = save_result(args.result, command.strip(), figures, before)
     print(json.dumps({k: v for k, v in figures.items() if k != "phases"}, indent=2))
     print(f"written to {out}")

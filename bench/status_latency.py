@@ -6,8 +6,8 @@ counters, the attempts hash (one field per sample started: 1 M fields), the capp
 its own process (``python -m eaglet.services.gateway.main``) and measures /status one request at a time, then
 at a fixed request rate from an async client.
 
-    python bench/status_latency.py                 # starts a redis-server of its own on a free port
-    python bench/status_latency.py --samples 10000000 --rps 500
+    python -m bench.status_latency                 # starts a redis-server of its own on a free port
+    python -m bench.status_latency --samples 10000000 --rps 500
 """
 
 import argparse
@@ -25,14 +25,13 @@ from pathlib import Path
 import httpx
 from redis import Redis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from eaglet.shared.heartbeats import WorkerState, beat, report_inference
+from eaglet.shared.keys import RunKeys
+from eaglet.shared.records import RunMeta
+from eaglet.shared.redisserver import RedisServer, free_port
+from eaglet.shared.runstate import ERRORS_CAP, RECENT_CAP, RunState
 
-from eaglet.shared.heartbeats import WorkerState, beat, report_inference  # noqa: E402
-from eaglet.shared.keys import RunKeys  # noqa: E402
-from eaglet.shared.records import RunMeta  # noqa: E402
-from eaglet.shared.redisserver import RedisServer, free_port  # noqa: E402
-from eaglet.shared.runstate import ERRORS_CAP, RECENT_CAP, RunState  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def seed(redis: Redis, run_id: str, samples: int, workers: int) -> None:

@@ -9,8 +9,8 @@ the kernel copying kept states file to file); "memory" is the same with the dump
 measured cold (the files' pages dropped from the page cache with ``posix_fadvise(DONTNEED)`` after their
 fsync) and warm.
 
-    python bench/storage.py                       # 8 samples of 2,048 tokens a phase: about 1 GiB written
-    python bench/storage.py --hidden 7168 --samples 16 --writers 4
+    python -m bench.storage                       # 8 samples of 2,048 tokens a phase: about 1 GiB written
+    python -m bench.storage --hidden 7168 --samples 16 --writers 4
 """
 
 import argparse
@@ -25,19 +25,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from safetensors.torch import save
+
+from bench.common import load, save_result
+from eaglet.services.trainer.data import load_sample
+from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump, write_dump
+from eaglet.shared.fp4 import encode_fp4
+from eaglet.shared.layout import Layout
+from eaglet.shared.runoptions import DEFAULT_TOPK, RunOptions
+from eaglet.shared.store import encode_states, sample_path, write_sample
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from safetensors.torch import save  # noqa: E402
-
-from bench.common import load, save_result  # noqa: E402
-from eaglet.services.trainer.data import load_sample  # noqa: E402
-from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump, write_dump  # noqa: E402
-from eaglet.shared.fp4 import encode_fp4  # noqa: E402
-from eaglet.shared.layout import Layout  # noqa: E402
-from eaglet.shared.runoptions import DEFAULT_TOPK, RunOptions  # noqa: E402
-from eaglet.shared.store import encode_states, sample_path, write_sample  # noqa: E402
 
 ENCODINGS = {  # name: (store_dtype, layout)
     "bf16": ("bf16", Layout()),
@@ -216,7 +215,7 @@ def main() -> int:
         shutil.rmtree(dump_dir, ignore_errors=True)
         if args.folder is None:
             shutil.rmtree(folder, ignore_errors=True)
-    cmd = " ".join(["python bench/storage.py", *sys.argv[1:]])
+    cmd = " ".join(["python -m bench.storage", *sys.argv[1:]])
     print("wrote", save_result(args.result or f"storage-h{args.hidden}", cmd, figures, load_before))
     return 0
 

@@ -8,8 +8,8 @@ output is the same, and the accept length from vLLM's own counters (``vllm:spec_
 ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``): 1 + accepted / drafts, its mean tokens per verify
 step. A stage that fails is recorded with its error and the last lines of its log.
 
-    python bench/families_cpu.py --models smollm2          # trains var/drafters/smollm2 (or give any drafter dir)
-    python bench/vllm_cpu.py --drafter var/drafters/smollm2
+    python -m bench.families_cpu --models smollm2          # trains var/drafters/smollm2 (or give any drafter dir)
+    python -m bench.vllm_cpu --drafter var/drafters/smollm2
 """
 
 import argparse
@@ -20,10 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import load, save_result
 
-from bench.common import load, save_result  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 PROMPTS = ROOT / "data" / "demo" / "eval.jsonl"
@@ -134,7 +134,7 @@ def main() -> int:
     if alone["exit"] == 0 and with_drafter["exit"] == 0:
         same = [a == b for a, b in zip(alone["outputs"], with_drafter["outputs"], strict=True)]
         figures.update(outputs_equal=sum(same), outputs_equal_all=all(same), **accept_figures(with_drafter["counters"]))
-    command = " ".join(["python bench/vllm_cpu.py", *sys.argv[1:]])
+    command = " ".join(["python -m bench.vllm_cpu", *sys.argv[1:]])
     print(json.dumps({k: v for k, v in figures.items() if k not in ("alone", "eagle3")}, indent=1))
     print("wrote", save_result(args.result, command, figures, load_before))
     return 0

@@ -1,7 +1,7 @@
 """One recipe of eaglet's trainer on a stored run, trained into a folder of its own (``train(out_dir=...)``): the
 run's own drafter and records stay as they are. Wall time, tokens/s and torch's peak GPU memory written down.
 
-    python bench/gpu/ablate.py --run RUN --out DIR [trainer flags...]      (PROBE_OUT: where the JSON goes)
+    python -m bench.gpu.ablate --run RUN --out DIR [trainer flags...]      (PROBE_OUT: where the JSON goes)
 
 A SIGTERM stops it at the next step with a checkpoint (exit 143); the same command resumes it from there.
 

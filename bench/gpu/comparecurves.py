@@ -1,6 +1,6 @@
 """Two loss curves (``losscurve.py`` records) compared step by step: the same trainer within a tolerance, or not.
 
-    python bench/gpu/comparecurves.py A.json B.json [--rtol 0.02] [--atol 1e-3] [--out compare.json]
+    python -m bench.gpu.comparecurves A.json B.json [--rtol 0.02] [--atol 1e-3] [--out compare.json]
 
 Step i's losses agree when |a - b| <= atol + rtol * |a| (the per-step losses of each TTT step as well as the
 weighted total). Exit 0 when every step agrees, 1 when one does not (the first such step and the largest deviation

@@ -22,9 +22,9 @@ import os
 import statistics
 import time
 
-import phases as P
 import torch
 
+from bench.gpu import phases as P
 from eaglet.shared.fp4 import FP4_DEVICE_BLOCK_BYTES, encode_fp4
 from eaglet.shared.store import FP8_DEVICE_BLOCK_BYTES, encode_fp8
 from eaglet.shared.topk import encode_topk, logit_blocks

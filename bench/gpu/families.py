@@ -1,6 +1,6 @@
 """Architecture families through eaglet's SGLang dump plugin, on the GPU machine after bench/gpu/install.sh.
 
-    python3 bench/gpu/families.py [--dry-run] [CASE...]   (from the repo root; results in $OUT, default ./gpu-out)
+    python3 -m bench.gpu.families [--dry-run] [CASE...]   (from the repo root; results in $OUT, default ./gpu-out)
 
 For each case: a tiny random-weight model of the family (bench/gpu/familymodels.py, built before the cases start),
 or a bundled model's real weights converted from its staged GGUF (``smollm2real-tp1``, ``gemma3real-tp1``), SGLang
@@ -46,11 +46,10 @@ from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from bench.gpu import familymodels, h2hreport
 
-import familymodels  # noqa: E402
-import h2hreport  # noqa: E402
+HERE = Path(__file__).resolve().parent
+
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(NO_MULTICAST)
@@ -529,9 +528,10 @@ def main(argv: list[str]) -> int:
             )
             print(f"{env} python -m eaglet.services.extractor.worker --name fam-{case}-RUN-wN   (x{N_WORKERS})")
         return 0
-    import phases as H  # the GPU bench's process, Redis and pipeline helpers; importing it creates its folders
+    from bench.gpu import (
+        phases as H,  # the GPU bench's process, Redis and pipeline helpers; importing it creates its folders
+    )
 
-    sys.path[:0] = [str(H.REPO), f"{H.S}/esite"]
     out = Path(os.environ.get("OUT") or H.OUT)
     state = H.ROOT / "families-results.json"  # earlier calls on this machine: their runs serve as baselines
     if state.exists():

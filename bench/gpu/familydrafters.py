@@ -1,7 +1,7 @@
 """Every family's drafter decodes in SGLang: on the GPU machine, after families.py extracted the TP 1 cases there.
 
-    python3 bench/gpu/familydrafters.py [CASE...]   (from the repo root; default: every TP 1 case of families.py)
-    python3 bench/gpu/familydrafters.py --report A.json B.json ...   (one table from several calls' records, in $OUT)
+    python3 -m bench.gpu.familydrafters [CASE...]   (from the repo root; default: every TP 1 case of families.py)
+    python3 -m bench.gpu.familydrafters --report A.json B.json ...   (one table from several calls' records, in $OUT)
 
 For each case with a stored run on this machine (families.py's state, ``families-results.json``):
   1. eaglet's trainer on the case's stored samples (families.N_SAMPLES: demo prompts and a few random ones, each
@@ -40,11 +40,10 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from bench.gpu import families, h2hreport
 
-import families  # noqa: E402
-import h2hreport  # noqa: E402
+HERE = Path(__file__).resolve().parent
+
 
 T0 = time.time()
 DEADLINE_S = float(os.environ.get("FAMDRAFT_DEADLINE_S", "540"))
@@ -233,10 +232,9 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown or not TP 1 cases {unknown}: choose from {', '.join(tp1_cases())}", file=sys.stderr)
         return 2
-    import headtohead as HH  # the trainers' runner and SGLang's decode figures
-    import phases as H
+    from bench.gpu import headtohead as HH  # the trainers' runner and SGLang's decode figures
+    from bench.gpu import phases as H
 
-    sys.path[:0] = [str(H.REPO), f"{H.S}/esite"]
     out = Path(os.environ.get("OUT") or H.OUT)
     out.mkdir(parents=True, exist_ok=True)
     state = H.ROOT / "families-results.json"
@@ -259,7 +257,7 @@ def main(argv: list[str]) -> int:
         prompts[case] = list(families.familymodels.chat_prompts(tokenizer, EVAL_PROMPTS, N_PROMPTS).values())
         folder = H.ROOT / "fam-drafters" / case
         R.update(run_id=ex["run_id"], model_dir=str(model), drafter_dir=str(folder / "drafter"))
-        trainer = [sys.executable, "bench/gpu/ablate.py", "--run", ex["run_id"], "--out", str(folder), "--model",
+        trainer = [sys.executable, "-m", "bench.gpu.ablate", "--run", ex["run_id"], "--out", str(folder), "--model",
                    str(model), "--max-steps", str(STEPS), "--checkpoint-every", "1000000"]  # fmt: skip
         R["train"] = {}
         jobs.append((R["train"], f"famdraft-train-{case}", trainer))

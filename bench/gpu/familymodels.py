@@ -1,6 +1,6 @@
 """Tiny random-weight target models, one per architecture family, for the GPU family check (families.py).
 
-    python bench/gpu/familymodels.py OUT_DIR [TOKENIZER_DIR] [FAMILY...]   builds them on the CPU (a check)
+    python -m bench.gpu.familymodels OUT_DIR [TOKENIZER_DIR] [FAMILY...]   builds them on the CPU (a check)
 
 Each model is built with transformers from a small config (8 layers, hidden 512), cast to bf16 and written
 with ``save_pretrained`` (per-expert checkpoint names for the MoE families, as published checkpoints have),

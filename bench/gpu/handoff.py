@@ -19,11 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from bench.gpu import familymodels
+from bench.gpu import phases as H  # the GPU bench's process, Redis and pipeline helpers; importing it makes its folders
 
-import familymodels  # noqa: E402
-import phases as H  # noqa: E402  the GPU bench's process, Redis and pipeline helpers; importing it makes its folders
+HERE = Path(__file__).resolve().parent
+
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(NO_MULTICAST)
@@ -57,7 +57,6 @@ def check(name: str, ok: bool, detail: object) -> None:
 def main() -> int:
     H.redis_up()
     H.REDIS_URL = H.REDIS_URL.rsplit("/", 1)[0] + f"/{DB}"  # the pipeline helper and eaglet_env read it
-    sys.path[:0] = [str(H.REPO), f"{H.S}/esite"]
     from redis import Redis
 
     from eaglet.shared.runstate import RunState

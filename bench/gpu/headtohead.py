@@ -1,7 +1,7 @@
 """eaglet's drafter against SpecForge 0.2.0's on the bundled SmolLM2-135M-Instruct, on one H200, in phases
 (bench/gpu/README.md has the call sequence). Results in $OUT/<phase>.json; the table via bench/gpu/h2hreport.py.
 
-    python3 bench/gpu/headtohead.py PHASE [PHASE...]     (from the repo root, after bench/gpu/install.sh)
+    python3 -m bench.gpu.headtohead PHASE [PHASE...]     (from the repo root, after bench/gpu/install.sh)
 
 Phases (each skipped when an earlier call finished it; state in $GPUBENCH_ROOT/gpubench-results.json):
   h2h-data       the conversations committed under data/h2h/ when there are any; else SGLang with eaglet's
@@ -47,10 +47,10 @@ from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
-import h2hreport
 import httpx
-import magpie
-import phases as P
+
+from bench.gpu import h2hreport, magpie
+from bench.gpu import phases as P
 
 N_CONV = int(os.environ.get("H2H_CONVERSATIONS", "10000"))
 HELDOUT = int(os.environ.get("H2H_HELDOUT", "200"))
@@ -86,7 +86,7 @@ def time_left(margin: float = 20) -> float:
 
 def ensure_model() -> None:
     if not (SMOL / "config.json").exists():
-        subprocess.run([sys.executable, "bench/gpu/mkmodel.py", "gguf", str(SMOL), str(P.S / "gguf" / "model.gguf")],
+        subprocess.run([sys.executable, "-m", "bench.gpu.mkmodel", "gguf", str(SMOL), str(P.S / "gguf" / "model.gguf")],
                        check=True, env={**os.environ, "PYTHONPATH": P.PY_EAGLET})  # fmt: skip
 
 
@@ -331,8 +331,7 @@ class GpuMemory(P.Sampler):
 
 def training_rows() -> list[tuple[int, str, int]]:
     """(index, sample_id, length) of the stored samples eaglet's trainer trains on."""
-    from specforge_features import training_split
-
+    from bench.gpu.specforge_features import training_split
     from eaglet.shared.samples import SampleSet
     from eaglet.shared.store import sample_path, samples_dir
 
@@ -432,7 +431,7 @@ def phase_eaglet() -> None:
     P.stop(SERVER)  # the GPU to the trainer alone
     rows = training_rows()
     run_id = P.RESULTS["h2h-extract"]["run_id"]
-    argv = [sys.executable, "bench/gpu/train_probe.py", "--run", run_id, "--epochs", str(EPOCHS),
+    argv = [sys.executable, "-m", "bench.gpu.train_probe", "--run", run_id, "--epochs", str(EPOCHS),
             "--checkpoint-every", "1000000"]  # fmt: skip
     R = run_trainer(P.RESULTS.setdefault("h2h-eaglet", {}), "h2h-eaglet", argv, P.PY_EAGLET,
                     P.eaglet_env(SMOL, P.SGL_PORT), TRAIN_TIMEOUT)  # fmt: skip
@@ -448,8 +447,7 @@ def phase_eaglet() -> None:
 def phase_specforge() -> None:
     if done("h2h-specforge"):
         return
-    from specforge_features import convert, run_config, target_view
-
+    from bench.gpu.specforge_features import convert, run_config, target_view
     from eaglet.shared.store import sample_path
 
     P.stop(SERVER)  # the GPU to the trainer alone
@@ -726,7 +724,7 @@ def phase_trainspeed() -> None:
                 return
             out = H2H / "trainspeed" / f"{name}-{repeat}"
             shutil.rmtree(out, ignore_errors=True)
-            argv = [sys.executable, "bench/gpu/ablate.py", "--run", run_id, "--out", str(out), "--model", str(SMOL),
+            argv = [sys.executable, "-m", "bench.gpu.ablate", "--run", run_id, "--out", str(out), "--model", str(SMOL),
                     "--epochs", str(EPOCHS), "--checkpoint-every", "1000000", *shlex.split(flags)]  # fmt: skip
             rec = run_trainer({}, f"h2h-trainspeed-{name}-{repeat}", argv, P.PY_EAGLET,
                               P.eaglet_env(SMOL, P.SGL_PORT), TRAIN_TIMEOUT, H2H)  # fmt: skip
@@ -803,7 +801,6 @@ def phase_layouts() -> None:
     import torch
     from redis import Redis
 
-    sys.path.insert(0, str(P.REPO))  # the CPU benches' package, for their derive_run
     from bench.quality import derive_run
     from eaglet.shared.layout import Layout
     from eaglet.shared.samples import SampleSet
@@ -892,7 +889,7 @@ def phase_ablate_train() -> None:
             rec["train"] = {"waiting": waiting}
             continue
         out = H2H / "recipes" / name
-        argv = [sys.executable, "bench/gpu/ablate.py", "--run", run_id, "--out", str(out), "--model", str(SMOL),
+        argv = [sys.executable, "-m", "bench.gpu.ablate", "--run", run_id, "--out", str(out), "--model", str(SMOL),
                 "--epochs", str(EPOCHS), "--checkpoint-every", str(ABLATE_CHECKPOINT_EVERY),
                 *trainer_flags]  # fmt: skip
         rec["drafter_dir"] = str(out / "drafter")

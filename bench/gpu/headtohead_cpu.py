@@ -2,7 +2,7 @@
 SmolLM2's tokenizer) stands in for SGLang, the demo conversations' user turns for the Magpie prompts (answered
 through eaglet's regeneration stage as on the GPU machine).
 
-    GPUBENCH_ROOT=DIR OUT=DIR/out H2H_EPOCHS=1 H2H_WORKERS=2 python bench/gpu/headtohead_cpu.py PHASE...
+    GPUBENCH_ROOT=DIR OUT=DIR/out H2H_EPOCHS=1 H2H_WORKERS=2 python -m bench.gpu.headtohead_cpu PHASE...
 
 Checks what runs without a GPU: regeneration, ingest, extraction and the store, the training split, the conversion to
 SpecForge's features and its run config, the trainers' launch, deadlines and failure records, the HumanEval
@@ -16,9 +16,8 @@ import json
 import shutil
 import sys
 
-import headtohead as H
-import phases as P
-
+from bench.gpu import headtohead as H
+from bench.gpu import phases as P
 from eaglet.shared.target import make_tiny_llama, resolve_model_dir
 
 

@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-import phases as P
 import torch
-import trainspeed as TS
 from torch._dynamo.utils import counters
 
+from bench.gpu import phases as P
+from bench.gpu import trainspeed as TS
 from eaglet.services.trainer import compiled
 from eaglet.services.trainer.distributed import init_distributed
 from eaglet.services.trainer.train import train

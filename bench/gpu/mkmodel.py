@@ -1,8 +1,8 @@
 """Llama-architecture target models for the GPU runs, written as Hugging Face directories.
 
-    python bench/gpu/mkmodel.py smol OUT TOKENIZER_DIR     SmolLM2-135M's shape, random bf16 weights
-    python bench/gpu/mkmodel.py 8b OUT TOKENIZER_DIR       Llama-3-8B's shape, random bf16 weights
-    python bench/gpu/mkmodel.py gguf OUT GGUF_FILE [MODEL] a bundled model (smollm2, gemma3), from its GGUF
+    python -m bench.gpu.mkmodel smol OUT TOKENIZER_DIR     SmolLM2-135M's shape, random bf16 weights
+    python -m bench.gpu.mkmodel 8b OUT TOKENIZER_DIR       Llama-3-8B's shape, random bf16 weights
+    python -m bench.gpu.mkmodel gguf OUT GGUF_FILE [MODEL] a bundled model (smollm2, gemma3), from its GGUF
 
 Random weights are drawn on the GPU (normal, std 0.02; norms 1) and written straight to safetensors:
 an 8B model takes seconds, not the minutes of a Hugging Face init on the CPU.

@@ -1,6 +1,6 @@
 """The GPU runs of eaglet's SGLang dump plugin and pipeline, in phases, on an H200 machine after bench/gpu/install.sh.
 
-    python3 bench/gpu/phases.py PHASE [PHASE...]     (from the repo root; results in $OUT, default ./gpu-out)
+    python3 -m bench.gpu.phases PHASE [PHASE...]     (from the repo root; results in $OUT, default ./gpu-out)
 
 Each call's logs stay apart: the servers', workers' and trainer's in $OUT/logs/<call>/logs.tgz, where <call>
 is GPUBENCH_CALL (bench/gpu/run.sh sets it; default: the start time).
@@ -295,7 +295,6 @@ def pipeline(
     than the disk holds can go on. ``store_options``: the run's storage options, every state when None (as the speed
     rows and the head-to-head's conversion to SpecForge's features need); ``{}``: the product's default layout."""
     os.environ.update(eaglet_env(model, port, store))
-    sys.path[:0] = [str(REPO), f"{S}/esite"]
     from redis import Redis
 
     from eaglet.services.ingest.jobs import ingest_new_run
@@ -354,7 +353,6 @@ def pipeline(
 def start_workers(prefix: str, model: Path, port: int, workers: int, store: str = "model") -> list[str]:
     """Extractor worker processes (they take a run's regeneration and extraction jobs), waited on until their
     heartbeats show; returns their names."""
-    sys.path[:0] = [str(REPO), f"{S}/esite"]
     from redis import Redis
 
     from eaglet.shared import heartbeats
@@ -459,7 +457,6 @@ def compare_with_reference(run_id: str, model: Path, limit: int | None = None) -
     import torch
     from safetensors.torch import load_file
 
-    sys.path[:0] = [str(REPO)]
     from eaglet.shared.dumpfile import read_dump
     from eaglet.shared.samples import SampleSet
     from eaglet.shared.store import sample_path, samples_dir
@@ -600,7 +597,7 @@ def phase_extract(
 def phase_smol() -> None:
     model = MODELS / "smol"
     subprocess.run(
-        [sys.executable, "bench/gpu/mkmodel.py", "smol", str(model), f"{S}/tokenizer"],
+        [sys.executable, "-m", "bench.gpu.mkmodel", "smol", str(model), f"{S}/tokenizer"],
         check=True,
         env={**os.environ, "PYTHONPATH": PY_EAGLET},
     )
@@ -625,7 +622,7 @@ def phase_real() -> None:
     model = MODELS / "smollm2"
     gg = S / "gguf" / "model.gguf"
     subprocess.run(
-        [sys.executable, "bench/gpu/mkmodel.py", "gguf", str(model), str(gg)],
+        [sys.executable, "-m", "bench.gpu.mkmodel", "gguf", str(model), str(gg)],
         check=True,
         env={**os.environ, "PYTHONPATH": PY_EAGLET},
     )
@@ -1039,7 +1036,8 @@ def phase_train8b() -> None:
     steps = os.environ.get("TRAIN8B_STEPS", "30")
     argv = [
         sys.executable,
-        "bench/gpu/train_probe.py",
+        "-m",
+        "bench.gpu.train_probe",
         "--run",
         run_id,
         "--max-steps",
@@ -1083,7 +1081,8 @@ def phase_drafter() -> None:
     R["trained_on"] = {"phase": src, "run": run_id, "model": str(model)}
     argv = [
         sys.executable,
-        "bench/gpu/train_probe.py",
+        "-m",
+        "bench.gpu.train_probe",
         "--run",
         run_id,
         "--epochs",
@@ -1199,7 +1198,7 @@ def phase_models() -> None:
     wanted = os.environ.get("GPUBENCH_MODELS", "smol,8b").split(",")
     for kind, name in [(k, n) for k, n in (("smol", "smol"), ("8b", "l8b")) if k in wanted]:
         t = time.time()
-        subprocess.run([sys.executable, "bench/gpu/mkmodel.py", kind, str(MODELS / name), f"{S}/tokenizer"], check=True)
+        subprocess.run([sys.executable, "-m", "bench.gpu.mkmodel", kind, str(MODELS / name), f"{S}/tokenizer"], check=True)
         R[name] = round(time.time() - t, 1)
 
 

@@ -22,4 +22,4 @@ fi
 [ $# -gt 0 ] || exit 0
 export PYTHONPATH=$PWD:/root/stage/esite:/root/stage/site PYTHONUNBUFFERED=1
 # GPUBENCH_SCRIPT: the phases script (headtohead.py for the drafter head-to-head)
-timeout ${GPUBENCH_TIMEOUT:-570} python3 bench/gpu/${GPUBENCH_SCRIPT:-phases.py} "$@" 2>&1 | tee "$LOGS/phases.log"
+timeout ${GPUBENCH_TIMEOUT:-570} python3 -m "bench.gpu.$(basename "${GPUBENCH_SCRIPT:-phases}" .py)" "$@" 2>&1 | tee "$LOGS/phases.log"

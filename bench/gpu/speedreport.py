@@ -2,7 +2,7 @@
 pipeline), fp8speed8b, layoutspeed8b and fp4speed8b (phases.py), each repetition's tokens/s over min(plain SGLang's
 median, the disk's fsync bandwidth probed just before it ÷ the bytes a token that repetition stored).
 
-    python bench/gpu/speedreport.py GPU_OUT_DIR results      (writes gpu-speedrows.md and .json)
+    python -m bench.gpu.speedreport GPU_OUT_DIR results      (writes gpu-speedrows.md and .json)
 """
 
 import json

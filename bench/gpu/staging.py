@@ -8,7 +8,7 @@ mapped to its distribution (this environment's ``importlib.metadata``) and check
 the distributions ``stage.sh`` downloads, those the image's package lists in ``results/`` name, and the image's
 torch.
 
-    python bench/gpu/staging.py      # from the repo root: prints what is missing, exits 1 if anything is
+    python -m bench.gpu.staging      # from the repo root: prints what is missing, exits 1 if anything is
 """
 
 from __future__ import annotations

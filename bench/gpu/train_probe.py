@@ -1,6 +1,6 @@
 """eaglet's trainer (``eaglet.services.trainer.main``), run as is, with its speed and peak GPU memory written down.
 
-    python bench/gpu/train_probe.py --run RUN [trainer flags...]      (PROBE_OUT: where the JSON goes)
+    python -m bench.gpu.train_probe --run RUN [trainer flags...]      (PROBE_OUT: where the JSON goes)
 
 Takes the figures the trainer itself reports (the run's train hash in Redis: tokens/s over its last window,
 loss, accuracy) and adds what it does not: wall time, torch's peak allocated and reserved GPU memory.

@@ -2,7 +2,7 @@
 allocates at a real target shape and sample length, on fake tensors (no memory behind them), under bf16 autocast
 as on the GPU, with FlexAttention's fused kernel standing in by what it allocates.
 
-    .venv/bin/python bench/gpu/trainmem.py [--shapes kimi,l8b] [--lengths 2048,32768] [--flags "--checkpoint-steps 7"]
+    .venv/bin/python -m bench.gpu.trainmem [--shapes kimi,l8b] [--lengths 2048,32768] [--flags "--checkpoint-steps 7"]
 
 Per (shape, length, trainer flags): the peak of the live bytes, what was live at the peak grouped by kind (each
 shape written in the drafter's symbols: T tokens, H hidden, I intermediate, Vd draft vocabulary, ...), the largest
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from trainshapes import TEXT
 
+from bench.gpu.trainshapes import TEXT
 from eaglet.services.trainer import data
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.main import add_config_flags, config_from_args

@@ -1,7 +1,7 @@
 """The target shapes the trainer's GPU bench (trainspeed.py) and its memory accounting (trainmem.py) share: config.json
 as a target directory holds it. ``TEXT``: each shape's text config, what the drafter is built from."""
 
-import mkmodel
+from bench.gpu import mkmodel
 
 # Kimi-K2.5: a multimodal wrapper around a DeepSeek-V3-shaped language model with multi-head latent attention;
 # its drafter gets eaglet's latent-attention rule (56 heads x 128, 8 KV heads).

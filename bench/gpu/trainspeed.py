@@ -41,18 +41,17 @@ import shlex
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import mkmodel
-import phases as P
 import torch
-from headtohead import time_left
 from safetensors.torch import save_file
-from trainshapes import KIMI, TEXT
 
+from bench.gpu import mkmodel
+from bench.gpu import phases as P
+from bench.gpu.headtohead import time_left
+from bench.gpu.trainshapes import KIMI, TEXT
 from eaglet.services.trainer import train as trainer
 from eaglet.services.trainer.compiled import compile_on
 from eaglet.services.trainer.config import TrainConfig
@@ -246,28 +245,20 @@ def write_samples(folder: Path, text: dict, run_id: str, T: int, n: int, vocab: 
     return round((top == ids[checked.start + 1 : checked.stop + 1]).float().mean().item(), 4)
 
 
-@contextmanager
-def step_clock() -> Iterator[list[tuple[float, int]]]:
-    """(time, tokens) at the end of each of the trainer's optimizer steps while inside. ``train()`` has no step
-    hook and reports tokens/s only to Redis and its log, over windows of ``log_every`` steps that do not start at
-    the warm-up's end: its step function is wrapped instead. The trainer's steps read nothing back from the GPU
-    (the host queues the next one while it runs): the clock waits for the GPU only at the timed window's ends, the
-    warm-up's last step and the last one, so the window is the GPU's real time and the steps between keep the
-    trainer's overlap; the marks between are the host's."""
-    marks: list[tuple[float, int]] = []
-    real = trainer.train_step
+def step_clock(marks: list[tuple[float, int]]) -> Callable[[trainer.Session, trainer.data.Batch], None]:
+    """The trainer's step hook that appends (time, tokens) to ``marks`` at the end of each optimizer step.
+    ``train()`` reports tokens/s only to Redis and its log, over windows of ``log_every`` steps that do not start at
+    the warm-up's end. The trainer's steps read nothing back from the GPU (the host queues the next one while it
+    runs): the clock waits for the GPU only at the timed window's ends, the warm-up's last step and the last one,
+    so the window is the GPU's real time and the steps between keep the trainer's overlap; the marks between are
+    the host's."""
 
-    def timed(s: trainer.Session, batch: trainer.data.Batch) -> None:
-        real(s, batch)
+    def mark(s: trainer.Session, batch: trainer.data.Batch) -> None:
         if torch.cuda.is_available() and s.step in (WARMUP_STEPS, s.total):
             torch.cuda.synchronize()
         marks.append((time.perf_counter(), batch["input_ids"].shape[1]))  # a packed row's length: no GPU read
 
-    trainer.train_step = timed
-    try:
-        yield marks
-    finally:
-        trainer.train_step = real
+    return mark
 
 
 def significant(x: float) -> float:
@@ -353,13 +344,14 @@ def measure(name: str, T: int, cfg: TrainConfig, env: trainer.Dist) -> dict:
             torch.cuda.empty_cache()  # the sample writer's tensors: out of the trainer's peak
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        with step_clock() as marks:
-            try:
-                train(redis=None, run_id=run_id, data_dir=DATA, target_dir=folder, cfg=row_cfg, env=env)
-            except torch.cuda.OutOfMemoryError as e:
-                row.update(oom_figures(e), steps_done=len(marks))
-            except MemoryRuleError as e:  # the trainer's own refusal, before its first step
-                row.update(outcome="refused", message=str(e), **memory())
+        marks: list[tuple[float, int]] = []
+        try:
+            train(redis=None, run_id=run_id, data_dir=DATA, target_dir=folder, cfg=row_cfg, env=env,
+                  on_step=step_clock(marks))  # fmt: skip
+        except torch.cuda.OutOfMemoryError as e:
+            row.update(oom_figures(e), steps_done=len(marks))
+        except MemoryRuleError as e:  # the trainer's own refusal, before its first step
+            row.update(outcome="refused", message=str(e), **memory())
         row["train_wall_s"] = round(time.perf_counter() - t, 1)
         if "outcome" not in row:
             row.update(speed(marks, t, f), **memory())

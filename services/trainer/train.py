@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -163,7 +164,7 @@ class Session:
 
 def train(
     *, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, cfg: TrainConfig, env: Dist,
-    out_dir: Path | None = None,
+    out_dir: Path | None = None, on_step: Callable[[Session, data.Batch], None] | None = None,
 ) -> dict:  # fmt: skip
     """Trains the run's drafter and writes ``<run>/drafter/``; resumes from the newest checkpoint if any.
     Returns the final figures (also in the Redis hash, when given one).
@@ -171,12 +172,15 @@ def train(
     ``out_dir``: another drafter from the same extraction (a recipe compared with the run's own): its checkpoints,
     curves and drafter go to ``out_dir/{checkpoints,curves,drafter}`` and the run's own stay as they are.
 
+    ``on_step``: called after every optimizer step with the session and its batch (the speed benches time the steps
+    by it); it must not read the step's figures back from the device, or the host waits on every step.
+
     A SIGTERM ends it at the next step with a checkpoint: ``Preempted`` (``preemption.py``)."""
     s = start(redis, run_id, Path(data_dir), Path(target_dir), cfg, env, out_dir)
     try:
         with s.stop:
             while s.step < s.total:
-                train_epoch(s)
+                train_epoch(s, on_step)
         final = finish(s)
     finally:
         s.rep.close()
@@ -333,7 +337,7 @@ def announce(s: Session, per_epoch: int) -> None:
     s.rep.start_bar(s.total, s.step)
 
 
-def train_epoch(s: Session) -> None:
+def train_epoch(s: Session, on_step: Callable[[Session, data.Batch], None] | None = None) -> None:
     """The rest of the current epoch, or of the training if it ends first; a checkpoint every ``checkpoint_every``."""
     batches = epoch_batches(s.train_items, s.cfg, s.env, s.epoch)
     batch_set = data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len, s.cfg.ttt_steps,
@@ -352,6 +356,8 @@ def train_epoch(s: Session) -> None:
             s.batch += 1
             continue
         train_step(s, batch)
+        if on_step is not None:
+            on_step(s, batch)
         if s.step % s.cfg.checkpoint_every == 0 and s.step < s.total:
             checkpoint(s)
     s.epoch, s.batch = s.epoch + 1, 0

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import families
 import torch
 from transformers import AutoTokenizer
+
+from bench.gpu import families
 
 
 def sample(ids, hidden=4, scale=1.0):

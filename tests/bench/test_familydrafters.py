@@ -3,8 +3,7 @@ the target's near-ties, fails."""
 
 import json
 
-import familydrafters
-import h2hreport
+from bench.gpu import familydrafters, h2hreport
 
 
 def decoded(accept_length, same=32, of=32, at_tie=0, **extra):

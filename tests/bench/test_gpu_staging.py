@@ -3,7 +3,7 @@ the image (its package lists in results/). A module neither provides stops a GPU
 
 import textwrap
 
-import staging
+from bench.gpu import staging
 
 
 def test_every_module_the_gpu_runs_import_is_staged_or_in_the_image():

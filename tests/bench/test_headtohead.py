@@ -3,14 +3,13 @@ SpecForge's offline features, the SmolLM2 target as SpecForge's loaders read it,
 
 import json
 
-import h2hreport
-import magpie
 import pytest
 import torch
 from safetensors import safe_open
-from specforge_features import convert, run_config, target_view, to_specforge, training_split
 from transformers import AutoTokenizer
 
+from bench.gpu import h2hreport, magpie
+from bench.gpu.specforge_features import convert, run_config, target_view, to_specforge, training_split
 from eaglet.services.trainer.data import load_sample
 from eaglet.shared.store import write_sample
 

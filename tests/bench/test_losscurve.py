@@ -20,9 +20,7 @@ def curves(tmp_path, monkeypatch, flags_b: str) -> tuple[dict, dict]:
            "LOSSCURVE_FLAGS_B": flags_b, **TINY_ENV}  # fmt: skip
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    import losscurve
-    import phases
-    import trainspeed
+    from bench.gpu import losscurve, phases, trainspeed
 
     importlib.reload(phases)
     importlib.reload(trainspeed)
@@ -34,7 +32,7 @@ def curves(tmp_path, monkeypatch, flags_b: str) -> tuple[dict, dict]:
 
 
 def compare(tmp_path, a: dict, b: dict, *flags: str) -> tuple[int, dict]:
-    import comparecurves
+    from bench.gpu import comparecurves
 
     (tmp_path / "a.json").write_text(json.dumps(a))
     (tmp_path / "b.json").write_text(json.dumps(b))

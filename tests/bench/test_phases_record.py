@@ -13,7 +13,7 @@ import pytest
 def load_phases(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     monkeypatch.setenv("GPUBENCH_ROOT", str(tmp_path / "root"))
-    import phases
+    from bench.gpu import phases
 
     return importlib.reload(phases)  # its folders follow the environment at import
 
@@ -53,7 +53,7 @@ def test_a_phase_whose_estimate_passes_the_deadline_is_skipped(tmp_path, monkeyp
 
 def test_the_kept_conversations_are_the_data_phase(tmp_path, monkeypatch):
     load_phases(tmp_path, monkeypatch)
-    import headtohead
+    from bench.gpu import headtohead
 
     H = importlib.reload(headtohead)  # its folders follow the phases module's
     H.phase_data()
@@ -70,7 +70,7 @@ def test_the_kept_conversations_are_the_data_phase(tmp_path, monkeypatch):
 
 def test_a_recipe_from_another_recipes_drafter_waits_for_that_one(tmp_path, monkeypatch):
     load_phases(tmp_path, monkeypatch)
-    import headtohead
+    from bench.gpu import headtohead
 
     H = importlib.reload(headtohead)
     monkeypatch.setenv("H2H_ABLATIONS", "base=;round=--onpolicy-from @base --epochs 1")
@@ -98,7 +98,7 @@ def test_trainers_cut_off_by_the_deadline_are_stopped_together_and_waited_for(tm
     """At the call's end every trainer still running gets SIGTERM at once and the grace to write its checkpoint;
     one that ignores it is killed when the grace is over, and each record says how it ended."""
     P = load_phases(tmp_path, monkeypatch)
-    import headtohead
+    from bench.gpu import headtohead
 
     H = importlib.reload(headtohead)
     P.LOGS.mkdir(parents=True, exist_ok=True)

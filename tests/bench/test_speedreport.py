@@ -2,7 +2,7 @@
 
 import json
 
-import speedreport
+from bench.gpu import speedreport
 
 
 def test_each_repetition_is_set_against_the_lower_of_the_server_and_its_disk(tmp_path):

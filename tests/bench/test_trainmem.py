@@ -4,9 +4,9 @@ logits at the loss positions, bf16, once), the peak grows linearly with the leng
 (the trainer's memory.py) is above what the step holds, by its margin and not much more."""
 
 import pytest
-import trainmem
-from trainshapes import TEXT
 
+from bench.gpu import trainmem
+from bench.gpu.trainshapes import TEXT
 from eaglet.services.trainer.memory import estimate, rule_shape
 
 T = 12288  # no dimension of the shapes is a multiple of it: a T-sized dimension is T's

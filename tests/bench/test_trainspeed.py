@@ -27,8 +27,7 @@ def load(tmp_path, monkeypatch, **env):
     """phases and trainspeed imported afresh: their folders and settings follow the environment at import."""
     for k, v in {"OUT": str(tmp_path / "out"), "GPUBENCH_ROOT": str(tmp_path / "root"), **TINY_ENV, **env}.items():
         monkeypatch.setenv(k, v)
-    import phases
-    import trainspeed
+    from bench.gpu import phases, trainspeed
 
     importlib.reload(phases)
     return importlib.reload(trainspeed)
