@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum, StrEnum
 from typing import Any, ClassVar, Self
 
+from .runoptions import RunOptions
+
 
 class Stage(StrEnum):
     regenerating = "regenerating"  # the target writes the dataset's assistant turns again, before ingest
@@ -70,6 +72,8 @@ def _encode(value: Any) -> str:
     """Text for Redis. A str is kept as given: a JSON field may be handed over already encoded."""
     if isinstance(value, Enum):
         return str(value.value)
+    if isinstance(value, RunOptions):
+        return value.to_json()
     if isinstance(value, list | dict):
         return json.dumps(value)
     return str(value)
@@ -78,6 +82,8 @@ def _encode(value: Any) -> str:
 def _decode(kind: Any, raw: str) -> Any:
     """``raw`` as ``kind`` (the field's type without its ``| None``); ValueError if it is not one."""
     origin = typing.get_origin(kind) or kind
+    if origin is RunOptions:
+        return RunOptions.from_json(raw)
     if origin in (list, dict):
         value = json.loads(raw)
         if not isinstance(value, origin):
@@ -158,8 +164,8 @@ class RunMeta(HashRecord):
     captured_layers: list[int] | None = None
     """The layers the run's stored hidden states were captured at (the dumps' ``aux_layer_ids``): set once, by the
     first dump checked; a dump of other layers is refused. The drafter's config.json records these."""
-    options: dict | None = None
-    """The ingest options the run was started with."""
+    options: RunOptions | None = None
+    """The options the run was started with; ingest fixes its ``max_tokens`` and ``store_dtype``."""
     regenerate_input: str | None = None
     """The prompts or conversations a run that starts with regeneration was given; ``dataset`` is then the
     regenerated file, once written."""

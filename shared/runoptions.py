@@ -5,27 +5,34 @@ constraints and the config below), the command line builds it from flags, and th
 as JSON, which the ingest reads back.
 """
 
+import argparse
 import json
 import re
 from dataclasses import asdict, dataclass
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal, TypedDict, get_args
 
 from pydantic import Field
 
-from .layout import AuxStorage, FinalStorage, Layout
+from .layout import DEFAULT_LAYOUT, AuxStorage, FinalStorage, Layout
 
 Overlong = Literal["truncate", "reject"]
 StoreDtype = Literal["model", "bf16", "fp8"]
 Reasoning = Literal["think_tags", "drop"]
 MIN_MAX_TOKENS = 2
-# The default layout: the target's top-24 distribution in place of the final state, the auxiliary states in 4 bits.
-# 0.243x bf16's bytes, and the default recipe on it accepted as many tokens as on bf16 on SGLang (SmolLM2, the
-# head-to-head's data: +2.0 % HumanEval, +1.6 % held-out) and on CPU (two seeds): BENCHMARKS.md section 4b.
-DEFAULT_FINAL: FinalStorage = "topk"
-DEFAULT_TOPK = 24
-DEFAULT_AUX: AuxStorage = "fp4"
-EVERY_STATE = {"store_final": "all", "store_aux": "full"}
-"""The options of a run that keeps every state as the server dumps it (the layout before the default above)."""
+DEFAULT_TOPK = DEFAULT_LAYOUT.topk
+
+
+class StoreOptions(TypedDict, total=False):
+    """The storage fields of ``RunOptions``, as the command line's ``--store-*`` flags give them."""
+
+    store_dtype: StoreDtype | None
+    store_final: FinalStorage
+    store_topk: int
+    store_aux: AuxStorage
+
+
+EVERY_STATE: StoreOptions = {"store_final": "all", "store_aux": "full"}
+"""The options of a run that keeps every state as the server dumps it (the layout before ``DEFAULT_LAYOUT``)."""
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
@@ -94,12 +101,12 @@ class RunOptions:
     store_dtype: StoreDtype | None = None
     """How the run's hidden states are stored (shared/store.py); None: the ingesting process's
     ``EAGLET_STORE_DTYPE``. Fixed in the run's record at ingest, so every worker, on any host, stores it the same."""
-    store_final: FinalStorage = DEFAULT_FINAL
+    store_final: FinalStorage = DEFAULT_LAYOUT.final
     """What is kept of the target's final state (shared/layout.py): ``all`` positions, only the ``loss``
     positions, or the target's ``topk`` distribution instead. Fixed at ingest, as ``store_dtype``."""
     store_topk: Annotated[int, Field(ge=0)] = 0
     """Entries of the top-k distribution a token keeps (``store_final: topk``: 1 to 1024; 24 when left 0)."""
-    store_aux: AuxStorage = DEFAULT_AUX
+    store_aux: AuxStorage = DEFAULT_LAYOUT.aux
     """The auxiliary states at ``full`` width (``store_dtype``) or block-scaled 4-bit (``fp4``)."""
 
     def __post_init__(self) -> None:
@@ -124,3 +131,30 @@ class RunOptions:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunOptions":
+        """The options a run's record keeps; a run recorded before layouts existed stored every state."""
+        return cls(**(EVERY_STATE | json.loads(text)))
+
+
+def add_store_flags(parser: argparse.ArgumentParser) -> None:
+    """The ``--store-*`` flags of every command that starts a run (``eaglet ingest``, ``eaglet regenerate``)."""
+    defaults = RunOptions()
+    parser.add_argument("--store-dtype", choices=get_args(StoreDtype), default=defaults.store_dtype,
+                        help="how the run's hidden states are stored (default: EAGLET_STORE_DTYPE)")  # fmt: skip
+    parser.add_argument("--store-final", choices=get_args(FinalStorage), default=defaults.store_final,
+                        help="the final state at all positions, at loss positions only, or the top-k distribution "
+                        f"(default {defaults.store_final})")  # fmt: skip
+    # 0, not the built default's k: a k given with --store-final all or loss is refused
+    parser.add_argument("--store-topk", type=int, default=0,
+                        help=f"entries a token of --store-final topk keeps (default {DEFAULT_TOPK})")  # fmt: skip
+    parser.add_argument("--store-aux", choices=get_args(AuxStorage), default=defaults.store_aux,
+                        help="the auxiliary states at full width or block-scaled 4-bit "
+                        f"(default {defaults.store_aux})")  # fmt: skip
+
+
+def store_flags(args: argparse.Namespace) -> StoreOptions:
+    """What the flags of ``add_store_flags`` set, as ``RunOptions`` fields."""
+    return StoreOptions(store_dtype=args.store_dtype, store_final=args.store_final, store_topk=args.store_topk,
+                        store_aux=args.store_aux)  # fmt: skip

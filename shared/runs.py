@@ -30,9 +30,9 @@ def create_run(redis: Redis, run_id: str, dataset: Path, options: RunOptions) ->
     # Absolute: whoever ingests (a worker, a later --resume) may run from another folder.
     absolute = str(Path(dataset).absolute())
     if options.regenerate is None:
-        state.create(dataset=absolute, options=options.to_json())
+        state.create(dataset=absolute, options=options)
     else:  # ``dataset`` becomes the regenerated file once it is written
-        state.create(Stage.regenerating, dataset=absolute, regenerate_input=absolute, options=options.to_json())
+        state.create(Stage.regenerating, dataset=absolute, regenerate_input=absolute, options=options)
     log.info("run %s: created for %s", run_id, absolute)
     return state
 

@@ -16,7 +16,7 @@ from . import keys
 from .alerts import StatusConfig, run_alerts, stall_limit, usual_interval
 from .heartbeats import parse_inference, parse_workers
 from .keys import RunKeys
-from .layout import Layout, run_bytes_per_token
+from .layout import bytes_per_token
 from .records import (
     ACTIVE_STAGES,
     EvalResult,
@@ -28,6 +28,7 @@ from .records import (
     TrainProgress,
     WorkerBeat,
 )
+from .runoptions import EVERY_STATE, RunOptions
 from .runstate import RECENT_CAP
 from .statusreport import (
     Cluster,
@@ -429,18 +430,19 @@ def _storage(meta: RunMeta, counts: ExtractionCounts, cluster: Cluster) -> Stora
     written, tokens = counts.bytes, counts.tokens
     total_tokens = meta.total_tokens
     per_token = written / tokens if tokens else None
-    expected = None
+    options = meta.options or RunOptions(**EVERY_STATE)  # unreadable, or a record from before options were kept
+    layout, expected = options.layout(), None
     if meta.hidden_size and total_tokens:
-        expected = run_bytes_per_token(
-            meta.options, meta.hidden_size, (meta.loss_tokens or total_tokens) / total_tokens
-        )
+        # ``model`` counted as 2 bytes, a GPU server's dtype
+        expected = bytes_per_token(meta.hidden_size, layout, options.store_dtype or "model",
+                                   loss_fraction=(meta.loss_tokens or total_tokens) / total_tokens)  # fmt: skip
     rate = per_token if per_token is not None else expected
     projected = round(rate * total_tokens) if rate is not None and total_tokens is not None else None
     return Storage(
         bytes_written=written,
         tokens_written=tokens,
         bytes_per_token=per_token,
-        layout=Layout.from_options(meta.options).name,
+        layout=layout.name,
         expected_bytes_per_token=expected,
         total_tokens=total_tokens,
         projected_total_bytes=projected,

@@ -161,7 +161,7 @@ class Extractor:
 
         store = self.store_dtype_of(state)
         meta = self._run_meta(state)
-        layout = Layout.from_options(meta.options)
+        layout = meta.options.layout() if meta.options else Layout()  # none recorded: every state, as dumped
         # The server computes on its device what saves host work: the top-k distribution in place of the final state
         # (it alone has the LM head), fp8 states (half the bytes to move and write), 4-bit aux states (a quarter).
         # A run storing fp8 with 4-bit aux states gets its final state at full width and encodes it here: fp8 then
@@ -227,8 +227,8 @@ class Extractor:
 
     def store_dtype_of(self, state: RunState) -> str:
         """The run's storage, fixed in its record at ingest; this worker's own setting for a run that has none."""
-        options = self._run_meta(state).options or {}
-        return options.get("store_dtype") or self.store_dtype
+        options = self._run_meta(state).options
+        return (options.store_dtype if options else None) or self.store_dtype
 
     def _prefill(self, rid: str, sample: Sample, encoding: DumpEncoding) -> None:
         params: dict = {"max_new_tokens": 1, "temperature": 0}

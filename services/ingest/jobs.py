@@ -76,7 +76,7 @@ def _describe_target(state: RunState, settings: Settings, meta: RunMeta) -> RunM
     model_dir = resolve_model_dir(settings.model, settings.model_cache_dir)
     config = text_config(model_dir)  # a wrapper class (Kimi-K2.5) keeps the language model's config inside
     num_layers = config["num_hidden_layers"]
-    options = RunOptions(**meta.options)
+    options = meta.options or RunOptions()
     # the layout's limits that depend on the target, checked before any sample is queued
     if options.store_final == "topk":
         check_k(options.store_topk, config["vocab_size"])
@@ -91,12 +91,10 @@ def _describe_target(state: RunState, settings: Settings, meta: RunMeta) -> RunM
         num_layers=num_layers,
         vocab_size=config["vocab_size"],
         aux_layer_ids=default_layer_ids(num_layers),
-        options=asdict(
-            replace(
-                options,
-                max_tokens=min(options.max_tokens, context),
-                store_dtype=options.store_dtype or settings.store_dtype,
-            )
+        options=replace(
+            options,
+            max_tokens=min(options.max_tokens, context),
+            store_dtype=options.store_dtype or settings.store_dtype,
         ),
     )
     state.update_meta(target)
@@ -135,7 +133,7 @@ def _ingest(
         dataset,
         tokenizer,
         writer,
-        RunOptions(**meta.options),
+        meta.options or RunOptions(),
         vocab_size=meta.vocab_size,
         on_error=lambda sample_id, message: state.record_error(-1, sample_id, message, "ingest", final=True),
         on_sample=on_sample,

@@ -12,9 +12,8 @@ from eaglet.services.ingest.jobs import NoIngestToTakeUp, ingest_new_run, ingest
 from eaglet.shared.config import Settings
 from eaglet.shared.connections import connect
 from eaglet.shared.ids import UnsafeName
-from eaglet.shared.layout import AuxStorage, FinalStorage
 from eaglet.shared.logs import setup_logging
-from eaglet.shared.runoptions import DEFAULT_TOPK, Overlong, RunOptions, StoreDtype
+from eaglet.shared.runoptions import Overlong, RunOptions, add_store_flags, store_flags
 from eaglet.shared.runstate import RunExists
 
 DEFAULTS = RunOptions()
@@ -28,39 +27,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens)
     parser.add_argument("--overlong", choices=get_args(Overlong), default=DEFAULTS.overlong)
     parser.add_argument("--limit", type=int, default=DEFAULTS.limit)
-    parser.add_argument("--store-dtype", choices=get_args(StoreDtype), default=DEFAULTS.store_dtype,
-                        help="how the run's hidden states are stored (default: EAGLET_STORE_DTYPE)")  # fmt: skip
-    parser.add_argument(
-        "--store-final",
-        choices=get_args(FinalStorage),
-        default=DEFAULTS.store_final,
-        help=f"the final state at all positions, at loss positions only, or the top-k distribution "
-        f"(default {DEFAULTS.store_final})",
-    )
-    parser.add_argument(
-        "--store-topk",
-        type=int,
-        default=DEFAULTS.store_topk,
-        help=f"entries a token of --store-final topk keeps (default {DEFAULT_TOPK})",
-    )
-    parser.add_argument(
-        "--store-aux",
-        choices=get_args(AuxStorage),
-        default=DEFAULTS.store_aux,
-        help=f"the auxiliary states at full width or block-scaled 4-bit (default {DEFAULTS.store_aux})",
-    )
+    add_store_flags(parser)
     args = parser.parse_args(argv)
     if (args.dataset is None) != args.resume:
         parser.error("give a DATASET for a new run, or --resume for a run whose ingest died (not both)")
     try:
         args.options = RunOptions(
-            max_tokens=args.max_tokens,
-            overlong=args.overlong,
-            limit=args.limit,
-            store_dtype=args.store_dtype,
-            store_final=args.store_final,
-            store_topk=args.store_topk,
-            store_aux=args.store_aux,
+            max_tokens=args.max_tokens, overlong=args.overlong, limit=args.limit, **store_flags(args)
         )
     except ValueError as e:
         parser.error(str(e))

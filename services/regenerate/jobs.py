@@ -27,9 +27,9 @@ from eaglet.shared.chatlines import BadLine
 from eaglet.shared.config import Settings
 from eaglet.shared.connections import connect, connect_raw
 from eaglet.shared.jobqueue import enqueue_batches, enqueue_ingest, owner_of
-from eaglet.shared.records import Stage
+from eaglet.shared.records import RunMeta, Stage
 from eaglet.shared.regeneration import Batch, Progress, requeue_batch
-from eaglet.shared.runoptions import RegenerateOptions, RunOptions
+from eaglet.shared.runoptions import RegenerateOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.target import resolve_model_dir, text_config
 
@@ -52,13 +52,13 @@ def plan_run(redis: Redis, rq_redis: Redis, run_id: str) -> int:
     the prompts in the run. Reads the input once, line by line."""
     state = RunState(redis, run_id)
     meta = state.meta()
-    if meta.stage != Stage.regenerating or meta.regenerate_input is None:
+    if meta.stage != Stage.regenerating:
         raise NoRegenerationToPlan(f"run {run_id!r} is not regenerating (stage {meta.stage})")
-    options = RunOptions(**meta.options).regenerate
+    options, source = _regeneration(meta)
     progress = Progress(redis, run_id)
     if not progress.planned():
         try:
-            batches, total = cut_batches(Path(meta.regenerate_input), options.batch_prompts)
+            batches, total = cut_batches(source, options.batch_prompts)
         except OSError as e:
             state.fail(f"regeneration input {meta.regenerate_input}: {type(e).__name__}: {e}")
             raise
@@ -69,6 +69,14 @@ def plan_run(redis: Redis, rq_redis: Redis, run_id: str) -> int:
         log.info("run %s: %d prompts in %d batches to regenerate", run_id, total, len(batches))
     enqueue_batches(rq_redis, run_id, progress.unfinished_batches())
     return progress.counts().total
+
+
+def _regeneration(meta: RunMeta) -> tuple[RegenerateOptions, Path]:
+    """The run's regeneration options and input, as its record keeps them."""
+    options = meta.options.regenerate if meta.options else None
+    if options is None or meta.regenerate_input is None:
+        raise NoRegenerationToPlan(f"run {meta.run_id!r} records no regeneration options or input")
+    return options, Path(meta.regenerate_input)
 
 
 def cut_batches(path: Path, size: int) -> tuple[list[Batch], int]:
@@ -94,9 +102,9 @@ def regenerate_batch(run_id: str, batch: int, give_up: str = "") -> str:
     meta = state.meta()
     if meta.stage != Stage.regenerating:
         return f"run {run_id} is {meta.stage}: batch {batch} not run"
-    options = RunOptions(**meta.options).regenerate
+    options, source = _regeneration(meta)
     spec = Progress(redis, run_id).batch(batch)
-    runner = BatchRunner(redis, state, options, settings, Path(meta.regenerate_input), _worker_name())
+    runner = BatchRunner(redis, state, options, settings, source, _worker_name())
     results = ResultFile(batch_path(settings.data_dir, run_id, batch))
     try:
         written = results.open()

@@ -19,7 +19,7 @@ from eaglet.shared.ids import UnsafeName
 from eaglet.shared.logs import setup_logging
 from eaglet.shared.records import Stage
 from eaglet.shared.regeneration import Progress
-from eaglet.shared.runoptions import Reasoning, RegenerateOptions, RunOptions
+from eaglet.shared.runoptions import Reasoning, RegenerateOptions, RunOptions, add_store_flags, store_flags
 from eaglet.shared.runs import queue_run
 from eaglet.shared.runstate import RunExists, RunState
 
@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reasoning", choices=get_args(Reasoning), default=DEFAULTS.reasoning)
     p.add_argument("--stop-after", action="store_true", help="end the run once the regenerated file is written")
     p.add_argument("--max-tokens", type=int, default=RunOptions().max_tokens, help="ingest: longest sample kept")
+    add_store_flags(p)
     p.add_argument("--wait", action="store_true", help="follow the regeneration here until it is over")
     args = p.parse_args(argv)
     try:
@@ -58,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             reasoning=args.reasoning,
             stop_after=args.stop_after,
         )
-        args.options = RunOptions(max_tokens=args.max_tokens, regenerate=regenerate)
+        args.options = RunOptions(max_tokens=args.max_tokens, regenerate=regenerate, **store_flags(args))
     except ValueError as e:
         p.error(str(e))
     return args

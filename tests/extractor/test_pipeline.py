@@ -160,7 +160,7 @@ def test_an_fp8_run_has_the_server_encode_and_stores_its_bits_as_they_came(redis
     ingest_new_run(redis, settings, "narrow", tmp_path / "data.jsonl", RunOptions(**EVERY_STATE, store_dtype="fp8"))
     extractor_for(settings, redis).extract("wide", 1)
     extractor_for(settings, redis, store_dtype="bf16").extract("narrow", 1)  # the run's storage, not the worker's
-    assert RunState(redis, "wide").meta().options["store_dtype"] == settings.store_dtype  # fixed at ingest
+    assert RunState(redis, "wide").meta().options.store_dtype == settings.store_dtype  # fixed at ingest
     sample = SampleSet(samples_dir(settings.data_dir, "wide"))[1]
     wide = open_sample(sample_path(settings.data_dir, "wide", sample.sample_id))
     narrow_path = sample_path(settings.data_dir, "narrow", sample.sample_id)

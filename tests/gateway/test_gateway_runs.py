@@ -48,7 +48,7 @@ def test_start_run_queues_the_ingest(gateway, redis, queue_redis, dataset):
     # The run is created at once, with what its ingest needs: the dataset and the options, defaults filled in.
     meta = RunState(redis, "r1").meta()
     assert (meta.stage, meta.dataset) == (Stage.ingesting, str(dataset.resolve()))
-    assert RunOptions(**meta.options) == RunOptions(max_tokens=512, overlong="truncate")
+    assert meta.options == RunOptions(max_tokens=512, overlong="truncate")
     assert redis.zscore(keys.RUNS, "r1") is not None
     again = gateway.client(TOKEN).post("/runs", json={"run_id": "r1", "dataset": str(dataset)})
     assert again.status_code == 409

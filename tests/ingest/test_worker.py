@@ -53,7 +53,7 @@ def test_the_ingest_worker_ingests_a_queued_run(redis, redis_server, tmp_path, t
         assert worker.wait(120) == 0, (tmp_path / "logs" / "i0.log").read_text()[-2000:]
     meta = RunState(redis, "queued").meta()
     assert (meta.stage, meta.total, meta.bad_lines) == (Stage.extracting, 20, 0), meta
-    assert meta.model_dir == str(tiny_model_dir) and RunOptions(**meta.options).limit == 20
+    assert meta.model_dir == str(tiny_model_dir) and meta.options is not None and meta.options.limit == 20
     assert run_queue(redis, "queued").count == 20  # every sample queued for the extractor workers
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from eaglet.cli import main as cli
 from eaglet.cli.stack import LocalStack
+from eaglet.services.regenerate import main as regenerate_main
+from eaglet.shared.layout import Layout
 from eaglet.shared.records import Stage
 from eaglet.shared.runstate import RunState
 from tests.regenerate.conftest import start_workers, write_jsonl
@@ -45,3 +47,9 @@ def test_bad_settings_are_refused_before_any_run(redis, tmp_path, capsys, flags,
     with pytest.raises(SystemExit):
         cli.main(["regenerate", str(source), "--run", "bad", *flags])
     assert reason in capsys.readouterr().err and not RunState(redis, "bad").exists()
+
+
+def test_regenerate_takes_ingest_storage_flags(tmp_path):
+    args = regenerate_main.parse_args([str(tmp_path / "in.jsonl"), "--run", "r", "--store-final", "all",
+                                       "--store-aux", "full", "--store-dtype", "fp8"])  # fmt: skip
+    assert (args.options.layout(), args.options.store_dtype) == (Layout(), "fp8")

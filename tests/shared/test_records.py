@@ -3,6 +3,7 @@
 import json
 from dataclasses import replace
 
+from eaglet.shared.layout import Layout
 from eaglet.shared.records import (
     EvalResult,
     InferenceBeat,
@@ -13,15 +14,16 @@ from eaglet.shared.records import (
     WorkerRole,
     WorkerState,
 )
+from eaglet.shared.runoptions import RunOptions
 
 
 def test_meta_round_trip_parses_types_once():
     meta = RunMeta(run_id="r", stage=Stage.extracting, hidden_size=64, aux_layer_ids=[1, 5, 9], total=10,
-                   options={"max_tokens": 2048}, extraction_complete=1.5)  # fmt: skip
+                   options=RunOptions(max_tokens=2048), extraction_complete=1.5)  # fmt: skip
     raw = meta.to_redis()
     assert raw == {
         "run_id": "r", "stage": "extracting", "hidden_size": "64", "aux_layer_ids": "[1, 5, 9]",
-        "options": '{"max_tokens": 2048}', "total": "10", "extraction_complete": "1.5",
+        "options": RunOptions(max_tokens=2048).to_json(), "total": "10", "extraction_complete": "1.5",
     }  # fmt: skip
     assert RunMeta.from_redis(raw) == meta
 
@@ -76,3 +78,8 @@ def test_worker_beat_tolerates_missing_fields():
 def test_inference_beat_round_trip():
     beat = InferenceBeat(url="http://inf:1", ok=True, ts=3.0, model="tiny")
     assert InferenceBeat.from_redis(beat.to_redis()) == beat
+
+
+def test_options_recorded_before_layouts_read_as_every_state():
+    options = RunMeta.from_redis({"options": '{"max_tokens": 64}'}).options
+    assert options is not None and (options.max_tokens, options.layout()) == (64, Layout())
