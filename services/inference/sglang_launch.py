@@ -25,8 +25,9 @@
   ``--attn-dp-size N`` on 0.5.23 (where the old spelling is deprecated).
 
 Layer ids. ``aux_layer_ids`` are the ids the dumps record (shared/layers.py): id i means the
-residual stream entering layer i (the output of layer i-1). Three ids, increasing, from 1 to L-1. The
-default (the plugin's): [2, L//2, L-3] for L >= 7, [L-3, L-2, L-1] below (SGLang's own rule repeats
+residual stream entering layer i (the output of layer i-1). Any number of ids, increasing, from 1 to L-1:
+EAGLE-3 reads three, DFlash one per draft layer, and a server capturing both sets serves runs of either. The
+default (the plugin's, EAGLE-3's): [2, L//2, L-3] for L >= 7, [L-3, L-2, L-1] below (SGLang's own rule repeats
 layers there: [2, 2, 1] for L=4). vLLM reads the same ids; SGLang adds one to each id it reads. Model
 families read the ids handed to ``set_eagle3_layers_to_capture`` differently (most add one, DeepSeek only
 when the first id is 1, GPT-OSS not when the last is L), so the plugin, not this launcher, hands them over
@@ -34,8 +35,9 @@ in each family's form and refuses to start when the model would capture other la
 
 Dump space (``dump_space``, checked before the server starts; ``--dump-space-check off`` skips it). The
 dumps pass through the dump dir's filesystem (shared memory), which must hold the dumps in flight:
-  tokens in flight x bytes per token, bytes per token = (1 + 3) x hidden_size x dtype bytes
-(the final-norm states and three aux layers, in the model's 16-bit dtype unless ``--dtype float32``). A dump
+  tokens in flight x bytes per token, bytes per token = (1 + K) x hidden_size x dtype bytes
+(the final-norm states and the K aux layers, three by default, in the model's 16-bit dtype unless
+``--dtype float32``). A dump
 is written when a request's whole prompt has been prefilled, by one writer thread per scheduler, and its
 worker reads and deletes it as soon as it appears. So the filesystem holds, per scheduler (each data-parallel
 replica or DP-attention rank), the prompts that finished in about two prefill steps: the step whose dumps the
@@ -65,7 +67,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eaglet.shared.layers import layer_ids_problem
+from eaglet.shared.layers import EAGLE3_NUM_LAYERS, layer_ids_problem
 from eaglet.shared.logs import setup_logging
 from eaglet.shared.target import text_config
 
@@ -77,7 +79,6 @@ PLUGIN_NAME = "eaglet_dump"
 EXTRA_ARGS_ENV = "EAGLET_SGLANG_ARGS"
 DUMP_SIZE_ENV = "EAGLET_DUMP_SIZE"  # compose sizes the dump volume's tmpfs from it
 
-STATES_PER_TOKEN = 1 + 3  # the final-norm states and three aux layers
 STEPS_ON_DISK = 2  # one prefill step's dumps being read while the next step's are written
 UNSET_CHUNK = 16384  # the largest prefill chunk SGLang picks by itself (it scales with GPU memory)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
@@ -271,10 +272,12 @@ class DumpSpace:
     bound: str
     """Which bound ``step_tokens`` is, in words."""
     schedulers: int
+    num_aux: int = EAGLE3_NUM_LAYERS
+    """Aux layers a dump holds beside the final-norm states."""
 
     @property
     def bytes_per_token(self) -> int:
-        return STATES_PER_TOKEN * self.hidden_size * self.dtype_bytes
+        return (1 + self.num_aux) * self.hidden_size * self.dtype_bytes
 
     @property
     def tokens(self) -> int:
@@ -287,7 +290,7 @@ class DumpSpace:
     def explain(self) -> str:
         return (
             f"{STEPS_ON_DISK} steps x {self.step_tokens} tokens ({self.bound}) x {self.schedulers} scheduler(s) = "
-            f"{self.tokens} tokens x {self.bytes_per_token} B/token ({STATES_PER_TOKEN} x {self.hidden_size} hidden x "
+            f"{self.tokens} tokens x {self.bytes_per_token} B/token ({1 + self.num_aux} x {self.hidden_size} hidden x "
             f"{self.dtype_bytes} B) = {gib(self.bytes)}"
         )
 
@@ -344,6 +347,7 @@ def dump_space(cfg: LaunchConfig) -> DumpSpace | str:
         step_tokens=step_tokens,
         bound=bound,
         schedulers=cfg.dp_size * cfg.attn_dp_size,
+        num_aux=len(cfg.aux_layer_ids or ()) or EAGLE3_NUM_LAYERS,
     )
 
 
@@ -401,7 +405,8 @@ def launcher_parser(*, given_only: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--dp-size", "--data-parallel-size", type=int, default=default(1))
     p.add_argument("--attn-dp-size", "--attention-data-parallel-size", type=int, default=default(1))
     p.add_argument("--enable-dp-attention", action="store_true", help="0.5.17's spelling: --dp-size is the DP width")
-    p.add_argument("--aux-layer-ids", type=int, nargs="+", help="three ids, 1 to L-1: the inputs of those layers")
+    p.add_argument("--aux-layer-ids", type=int, nargs="+",
+                   help="ids 1 to L-1, any number (EAGLE-3's, DFlash's, both): the inputs of those layers")  # fmt: skip
     p.add_argument("--chunked-prefill-size", type=int)
     p.add_argument("--mem-fraction-static", type=float)
     return p

@@ -50,6 +50,8 @@ def test_bytes_per_token_is_four_states_of_hidden_size(llama_8b):
     assert need.bytes_per_token == 4 * 4096 * 2 == 32768
     # unset chunk: 16384, the largest SGLang picks; plus one whole context; two steps; one scheduler
     assert need.step_tokens == 16384 + 131072 and need.tokens == 2 * (16384 + 131072)
+    five = dump_space(LaunchConfig(model_path=llama_8b, dump_dir="d", aux_layer_ids=[2, 9, 16, 23, 30]))
+    assert isinstance(five, DumpSpace) and five.bytes_per_token == 6 * 4096 * 2  # the final state and five layers
     assert need.bytes == need.tokens * 32768
 
 

@@ -54,7 +54,7 @@ def _dump_files(dump_dir: Path) -> set[str]:
     return {p.name for p in dump_dir.iterdir() if p.name != ".writers"} if dump_dir.exists() else set()
 
 
-def _check_dump(dump_dir: Path, rid: str, prompt: list[int], dtype: str = "float32") -> None:
+def _check_dump(dump_dir: Path, rid: str, prompt: list[int], dtype: str = "float32", layers: list[int] | None = None):
     """The extractor's own reading and validation, then the values: row p is token p of the prompt."""
     import torch
 
@@ -64,12 +64,13 @@ def _check_dump(dump_dir: Path, rid: str, prompt: list[int], dtype: str = "float
     validate_dump(dump, rid=rid, num_tokens=len(prompt), hidden_size=H)
     assert dump.metadata["dtype"] == dtype
     assert dump.metadata["model"] == "tiny-llama"
-    assert dump.aux_layer_ids == default_layer_ids(LAYERS)
+    layers = layers or default_layer_ids(LAYERS)
+    assert dump.aux_layer_ids == layers and dump.aux_hidden_states.shape == (len(prompt), len(layers) * H)
     ids = torch.tensor(prompt, dtype=torch.float32)
     pos = torch.arange(len(prompt), dtype=torch.float32)
     assert torch.equal(dump.hidden_states[:, 0].float(), ids)
     assert torch.equal(dump.hidden_states[:, 1].float(), pos)
-    for k in range(3):
+    for k in range(len(layers)):
         assert torch.equal(dump.aux_hidden_states[:, k * H].float(), ids + 10 * (k + 1))
 
 
@@ -141,6 +142,13 @@ def test_without_native_final_states_the_logits_hook_supplies_them(sglang_cases)
     results, dumps = sglang_cases
     case = results["stash"]
     _check_dump(dumps, case["rid"], case["prompt"], dtype="bfloat16")
+
+
+def test_five_layers_are_captured_and_dumped(sglang_cases):
+    results, dumps = sglang_cases
+    case = results["five_layers"]
+    assert case["captured"] == [1, 2, 3, 5, 7]
+    _check_dump(dumps, case["rid"], case["prompt"], layers=[1, 2, 3, 5, 7])
 
 
 def test_capture_enabled_before_graphs(sglang_cases):

@@ -47,8 +47,8 @@ def _cases(out: Path) -> dict:
         return LogitsProcessorOutput(next_token_logits=None)
 
     def standin_forward(self, batch, forward_batch=None, *args, **kwargs):
-        # Rows in batch order, extend_lens[i] rows per request, token ids encoded in the values;
-        # 5 rows of NaN padding at the end, as a CUDA graph's static buffers may carry.
+        # Rows in batch order, extend_lens[i] rows per request, token ids encoded in the values, one H-wide block
+        # per captured layer; 5 rows of NaN padding at the end, as a CUDA graph's static buffers may carry.
         ids, pos = [], []
         for req, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True):
             fill = list(req.origin_input_ids) + list(req.output_ids)
@@ -56,11 +56,12 @@ def _cases(out: Path) -> dict:
             pos += list(range(prefix, prefix + ext))
         n = len(ids)
         final = torch.full((n + 5, H), float("nan"))
-        aux = torch.full((n + 5, 3 * H), float("nan"))
+        num_aux = len(self._model_runner.model.model.layers_to_capture)
+        aux = torch.full((n + 5, num_aux * H), float("nan"))
         t_ids, t_pos = torch.tensor(ids, dtype=torch.float32), torch.tensor(pos, dtype=torch.float32)
         final[:n] = 0.5
         final[:n, 0], final[:n, 1] = t_ids, t_pos
-        for k in range(3):
+        for k in range(num_aux):
             aux[:n, k * H : (k + 1) * H] = (t_ids + 10 * (k + 1))[:, None]
         final, aux = final.to(self.standin_dtype), aux.to(self.standin_dtype)
         if self.standin_native_final:  # 0.5.23 with its capture flag
@@ -338,6 +339,16 @@ def _cases(out: Path) -> dict:
 
     # Capture: default layers, chosen layers (SGLang convention), and after the server flag chose others.
     from eaglet_sglang.plugin import DumpPlugin, DumpSettings, captured_layers
+
+    # Five layers (DFlash's count): captured, and dumped five H-wide blocks wide.
+    eagle3 = plugin.settings.aux_layer_ids
+    plugin.settings.aux_layer_ids = [1, 2, 3, 5, 7]
+    w5 = new_worker()
+    plugin.settings.aux_layer_ids = eagle3
+    five = req("eaglet:run1:s-five:0", prompt(6, 280))
+    forward(w5, [(five, 0, 6)])
+    results["five_layers"] = {"rid": five.rid, "prompt": prompt(6, 280),
+                              "captured": captured_layers(w5._model_runner.model)}  # fmt: skip
 
     default = standin_model()
     plugin.enable_capture(default)

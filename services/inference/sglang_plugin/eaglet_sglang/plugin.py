@@ -37,7 +37,7 @@ import torch
 from eaglet.shared.dumpfile import DumpEncoding, dump_forms, encode_forms
 from eaglet.shared.dumpwriter import DEFAULT_CAP_BYTES, DEFAULT_THREADS, DumpWriter
 from eaglet.shared.ids import is_eaglet_rid
-from eaglet.shared.layers import default_layer_ids, layer_ids_problem, sglang_arg_ids
+from eaglet.shared.layers import default_layer_ids, layer_ids_problem, parse_layer_ids, sglang_arg_ids
 from eaglet.shared.layout import FP4_BLOCK
 from eaglet.shared.targettensors import load_target_tensors
 from eaglet.shared.topk import TOPK_PARAM, TOPK_TENSORS, encode_topk
@@ -57,8 +57,9 @@ class DumpSettings:
     timeout_s: float = 600.0
     """``EAGLET_DUMP_TIMEOUT_S``: a request whose next chunk does not come within this is dropped (aborted)."""
     aux_layer_ids: list[int] | None = None
-    """``EAGLET_AUX_LAYER_IDS`` (e.g. ``2,15,27``), SGLang's convention (the layer whose input is captured).
-    Unset: ``default_layer_ids(L)``. Checked against the model's layer count at server start."""
+    """``EAGLET_AUX_LAYER_IDS`` (e.g. ``2,15,27``), SGLang's convention (the layer whose input is captured), any
+    number of them (EAGLE-3's, DFlash's, or both for runs of either). Unset: EAGLE-3's ``default_layer_ids(L)``.
+    Checked against the model's layer count at server start."""
     queue_bytes: int = DEFAULT_CAP_BYTES
     """``EAGLET_DUMP_QUEUE_BYTES``: most bytes of dumps held on the host waiting for the disk, per scheduler
     process; when full, the forward waits (back-pressure, shown in /status) rather than growing."""
@@ -88,7 +89,7 @@ class DumpSettings:
         return cls(
             dump_dir=Path(dump_dir),
             timeout_s=float(env.get("EAGLET_DUMP_TIMEOUT_S", "600")),
-            aux_layer_ids=[int(x) for x in ids.split(",")] if ids else None,
+            aux_layer_ids=parse_layer_ids(ids, "EAGLET_AUX_LAYER_IDS") if ids else None,
             queue_bytes=int(env.get("EAGLET_DUMP_QUEUE_BYTES", DEFAULT_CAP_BYTES)),
             writer_threads=int(env.get("EAGLET_DUMP_WRITER_THREADS", DEFAULT_THREADS)),
         )
@@ -208,7 +209,9 @@ class DumpPlugin:
         (the capture flag). Model families read the ids they are given differently (most add one,
         DeepSeek adds one only when the first id is 1, GPT-OSS keeps them when the last is L), so
         each convention is tried in turn and the list the model ends up reading is compared with
-        the wanted one.
+        the wanted one. Any number of layers: every family's ``set_eagle3_layers_to_capture`` in 0.5.17 and
+        0.5.23 takes a list of any length, and the forward concatenates what it captured (DFlash's own
+        ``set_dflash_layers_to_capture`` sets the same list, one up).
         """
         name = type(model).__name__
         if not hasattr(model, "set_eagle3_layers_to_capture"):
@@ -235,7 +238,7 @@ class DumpPlugin:
                 f"gave {'; '.join(tried)}. Choose other --aux-layer-ids."
             )
         _clear_stale_marks(site.layers_owner, wanted)
-        log.info("EAGLE-3 capture of %s: layers %s of %d", name, wanted, site.num_layers)
+        log.info("aux capture of %s: layers %s of %d", name, wanted, site.num_layers)
 
     def _snapshot(self, worker: Any, batch: Any) -> _Snapshot | None:
         if batch is None or batch.forward_mode is None or batch.forward_mode.is_decode_or_idle():
