@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.gpu import phases as P
+from bench.gpu import harness as P
 from eaglet.shared.fp4 import FP4_DEVICE_BLOCK_BYTES, encode_fp4
 from eaglet.shared.store import FP8_DEVICE_BLOCK_BYTES, encode_fp8
 from eaglet.shared.topk import encode_topk, logit_blocks
@@ -115,6 +115,6 @@ def phase_devicecost() -> None:
 
 
 if __name__ == "__main__":
-    P.PHASES["devicecost"] = phase_devicecost
-    P.ESTIMATE_S["devicecost"] = 60
-    raise SystemExit(P.main())
+    from bench.gpu import phases
+
+    raise SystemExit(P.main({**phases.PHASES, "devicecost": phase_devicecost}, {**phases.ESTIMATE_S, "devicecost": 60}))

@@ -232,8 +232,8 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown or not TP 1 cases {unknown}: choose from {', '.join(tp1_cases())}", file=sys.stderr)
         return 2
+    from bench.gpu import harness as H
     from bench.gpu import headtohead as HH  # the trainers' runner and SGLang's decode figures
-    from bench.gpu import phases as H
 
     out = Path(os.environ.get("OUT") or H.OUT)
     out.mkdir(parents=True, exist_ok=True)

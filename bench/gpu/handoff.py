@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 from bench.gpu import familymodels
-from bench.gpu import phases as H  # the GPU bench's process, Redis and pipeline helpers; importing it makes its folders
+from bench.gpu import (
+    harness as H,  # the GPU bench's process, Redis and pipeline helpers; importing it makes its folders
+)
 
 HERE = Path(__file__).resolve().parent
 

@@ -50,7 +50,7 @@ from pathlib import Path
 import httpx
 
 from bench.gpu import h2hreport, magpie
-from bench.gpu import phases as P
+from bench.gpu import harness as P
 
 N_CONV = int(os.environ.get("H2H_CONVERSATIONS", "10000"))
 HELDOUT = int(os.environ.get("H2H_HELDOUT", "200"))
@@ -1041,6 +1041,6 @@ ESTIMATE_S = {
 }
 
 if __name__ == "__main__":
-    P.PHASES.update(PHASES)
-    P.ESTIMATE_S.update(ESTIMATE_S)
-    raise SystemExit(P.main())
+    from bench.gpu import phases
+
+    raise SystemExit(P.main({**phases.PHASES, **PHASES}, {**phases.ESTIMATE_S, **ESTIMATE_S}))

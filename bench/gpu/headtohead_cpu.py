@@ -16,8 +16,8 @@ import json
 import shutil
 import sys
 
+from bench.gpu import harness as P
 from bench.gpu import headtohead as H
-from bench.gpu import phases as P
 from eaglet.shared.target import make_tiny_llama, resolve_model_dir
 
 
@@ -81,6 +81,6 @@ if __name__ == "__main__":
         reference_server()
         data()
     state.write_text(json.dumps(P.RESULTS, default=str))
-    P.PHASES.update(H.PHASES)
-    P.ESTIMATE_S.update(H.ESTIMATE_S)
-    raise SystemExit(P.main())
+    from bench.gpu import phases
+
+    raise SystemExit(P.main({**phases.PHASES, **H.PHASES}, {**phases.ESTIMATE_S, **H.ESTIMATE_S}))

@@ -27,7 +27,7 @@ from dataclasses import asdict, replace
 import torch
 from torch._dynamo.utils import counters
 
-from bench.gpu import phases as P
+from bench.gpu import harness as P
 from bench.gpu import trainspeed as TS
 from eaglet.services.trainer import compiled
 from eaglet.services.trainer.distributed import init_distributed
@@ -84,6 +84,7 @@ PHASES: dict[str, Callable[[], None]] = {
 
 if __name__ == "__main__":
     setup_logging()
-    P.PHASES.update(PHASES)
-    P.ESTIMATE_S.update(dict.fromkeys(PHASES, estimate_s))
-    raise SystemExit(P.main())
+    from bench.gpu import phases
+
+    estimates = {**phases.ESTIMATE_S, **dict.fromkeys(PHASES, estimate_s)}
+    raise SystemExit(P.main({**phases.PHASES, **PHASES}, estimates))

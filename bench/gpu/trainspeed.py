@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bench.gpu import harness as P
 from bench.gpu import mkmodel
-from bench.gpu import phases as P
 from bench.gpu.headtohead import time_left
 from bench.gpu.trainshapes import KIMI, TEXT
 from eaglet.services.trainer import train as trainer
@@ -561,6 +561,6 @@ ESTIMATE_S = {phase: phase_estimate for phase in PHASES}
 
 if __name__ == "__main__":
     setup_logging()
-    P.PHASES.update(PHASES)
-    P.ESTIMATE_S.update(ESTIMATE_S)
-    raise SystemExit(P.main())
+    from bench.gpu import phases
+
+    raise SystemExit(P.main({**phases.PHASES, **PHASES}, {**phases.ESTIMATE_S, **ESTIMATE_S}))

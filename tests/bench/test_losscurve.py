@@ -20,14 +20,13 @@ def curves(tmp_path, monkeypatch, flags_b: str) -> tuple[dict, dict]:
            "LOSSCURVE_FLAGS_B": flags_b, **TINY_ENV}  # fmt: skip
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    from bench.gpu import losscurve, phases, trainspeed
+    from bench.gpu import harness, losscurve, trainspeed
 
-    importlib.reload(phases)
+    importlib.reload(harness)
     importlib.reload(trainspeed)
     lc = importlib.reload(losscurve)
-    lc.P.PHASES.update(lc.PHASES)
     monkeypatch.setattr(sys, "argv", ["losscurve.py", "losscurve", "losscurve-b"])
-    assert lc.P.main() == 0
+    assert lc.P.main(lc.PHASES, {}) == 0
     return tuple(json.loads((lc.P.OUT / f"{p}.json").read_text()) for p in ("losscurve", "losscurve-b"))
 
 

@@ -13,9 +13,9 @@ import pytest
 def load_phases(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     monkeypatch.setenv("GPUBENCH_ROOT", str(tmp_path / "root"))
-    from bench.gpu import phases
+    from bench.gpu import harness
 
-    return importlib.reload(phases)  # its folders follow the environment at import
+    return importlib.reload(harness)  # its folders follow the environment at import
 
 
 def test_a_phase_run_again_starts_from_a_clean_record(tmp_path, monkeypatch):
@@ -30,11 +30,9 @@ def test_a_phase_run_again_starts_from_a_clean_record(tmp_path, monkeypatch):
         ran["record_at_start"] = dict(P.RESULTS["train"])
         P.RESULTS["train"].update(rc=0, done=True)
 
-    monkeypatch.setitem(P.PHASES, "train", train)
-    monkeypatch.setitem(P.PHASES, "data", lambda: None)
-    monkeypatch.setitem(P.ESTIMATE_S, "train", lambda: 1)  # estimates may be computed when the phase comes up
+    estimates = {"train": lambda: 1}  # estimates may be computed when the phase comes up
     monkeypatch.setattr(sys, "argv", ["phases.py", "data", "train"])
-    assert P.main() == 0
+    assert P.main({"train": train, "data": lambda: None}, estimates) == 0
     assert ran["record_at_start"] == {"earlier_attempts": [{"date": "then", "error": earlier["error"]}]}
     saved = json.loads((P.OUT / "train.json").read_text())
     assert saved["rc"] == 0 and "error" not in saved and saved["done"]
@@ -44,10 +42,9 @@ def test_a_phase_run_again_starts_from_a_clean_record(tmp_path, monkeypatch):
 def test_a_phase_whose_estimate_passes_the_deadline_is_skipped(tmp_path, monkeypatch):
     P = load_phases(tmp_path, monkeypatch)
     monkeypatch.setenv("GPUBENCH_DEADLINE_S", "100")
-    monkeypatch.setitem(P.PHASES, "long", lambda: (_ for _ in ()).throw(AssertionError("started")))
-    monkeypatch.setitem(P.ESTIMATE_S, "long", lambda: 500)
+    long = lambda: (_ for _ in ()).throw(AssertionError("started"))  # noqa: E731
     monkeypatch.setattr(sys, "argv", ["phases.py", "long"])
-    assert P.main() == 0
+    assert P.main({"long": long}, {"long": lambda: 500}) == 0
     assert json.loads((P.OUT / "long.json").read_text())["skipped"].startswith("not started")
 
 

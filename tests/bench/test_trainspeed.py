@@ -27,17 +27,15 @@ def load(tmp_path, monkeypatch, **env):
     """phases and trainspeed imported afresh: their folders and settings follow the environment at import."""
     for k, v in {"OUT": str(tmp_path / "out"), "GPUBENCH_ROOT": str(tmp_path / "root"), **TINY_ENV, **env}.items():
         monkeypatch.setenv(k, v)
-    from bench.gpu import phases, trainspeed
+    from bench.gpu import harness, trainspeed
 
-    importlib.reload(phases)
+    importlib.reload(harness)
     return importlib.reload(trainspeed)
 
 
 def run(ts, monkeypatch, *phases) -> int:
-    ts.P.PHASES.update(ts.PHASES)
-    ts.P.ESTIMATE_S.update(ts.ESTIMATE_S)
     monkeypatch.setattr(sys, "argv", ["trainspeed.py", *phases])
-    return ts.P.main()
+    return ts.P.main(ts.PHASES, ts.ESTIMATE_S)
 
 
 def rows(ts, phase) -> list[dict]:

@@ -1,0 +1,237 @@
+"""The 8B-shape speed phases: plain SGLang's prefill, the pipeline in bf16, fp8, the default storage layout and the
+4-bit aux states, each GPU encoder checked bit for bit against the workers' first; the reference server at 8B.
+"""
+
+import os
+import random
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.gpu import extraction, training
+from bench.gpu import harness as H
+
+
+def l8b_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(H.L8B_LENGTH)] for _ in range(n)]
+
+
+def phase_speed8b() -> None:
+    """Plain SGLang and the bf16 pipeline at the Llama-3-8B shape, each repeated, with the disk probed between.
+
+    Steady: >= 1,000 requests a plain repetition, >= 1,000 samples and >= 60 s a pipeline repetition. The store
+    is removed behind the pipeline as samples complete (written and fsynced first): a bf16 repetition writes
+    ~70 GB, more than the machine's disk holds. On a fresh machine both halves do not fit one call (the first
+    SGLang start compiles its kernels): ``plain8b`` then ``bf16speed8b`` in two calls record the same.
+    """
+    phase_plain8b()
+    pipeline_reps("speed8b", "bf16", H.MODELS / "l8b", int(os.environ.get("NPIPE8B", "1200")))
+
+
+def phase_plain8b() -> None:
+    """speed8b's first half: plain SGLang's prefill tokens/s, repeated, the disk probed after each (recorded as
+    speed8b's, where the speed report reads them)."""
+    R = H.RESULTS.setdefault("speed8b", {})
+    model = H.MODELS / "l8b"
+    if not (model / "config.json").exists():
+        training.phase_models()
+    R["model"] = "Llama-3-8B shape (hidden 4096, 32 layers, 32/8 heads, vocab 128256), random bf16"
+    R["flags"] = " ".join(H.L8B_EXTRA + H.SGL_BASE) + " (radix cache off in both)"
+    n_plain = int(os.environ.get("N8B", "1000"))
+    H.redis_up()
+    H.DUMPS.mkdir(parents=True, exist_ok=True)
+    R["plain_startup_s"] = H.sglang("s8b-plain", model, plugin=False, extra=H.L8B_EXTRA)
+    H.bench(H.SGL_PORT, l8b_prompts(32, 1), H.L8B_CONCURRENCY, "warm-", False)
+    R["plain"], R["disk"] = [], []
+    for rep in range(H.L8B_REPS):
+        R["plain"].append(H.bench(H.SGL_PORT, l8b_prompts(n_plain, 10 + rep), H.L8B_CONCURRENCY, f"plain{rep}-", False))
+        R["disk"].append(H.disk_probe())
+        H.log(f"speed8b plain {rep}: {R['plain'][-1]} disk {R['disk'][-1]}")
+        H.save("speed8b")
+    H.stop("s8b-plain")
+
+
+def phase_bf16speed8b() -> None:
+    """More repetitions of speed8b's bf16 pipeline (``BF16_REPS``), added to its list."""
+    H.redis_up()
+    H.RESULTS.setdefault("speed8b", {})
+    pipeline_reps("speed8b", "bf16", H.MODELS / "l8b", int(os.environ.get("NPIPE8B", "1200")),
+                  int(os.environ.get("BF16_REPS", str(H.L8B_REPS))))  # fmt: skip
+
+
+def phase_fp8speed8b() -> None:
+    """The fp8 pipeline at the 8B shape (the server encodes on the GPU), repeated; the GPU encoder checked
+    bit for bit against the workers' CPU encoder on dumps of the same prompts."""
+    R = H.RESULTS.setdefault("fp8speed8b", {})
+    model = H.MODELS / "l8b"
+    H.redis_up()
+    R["gpu_encoder_vs_cpu"] = fp8_bits_check(l8b_prompts(16, 99))  # first: a fault shows even if time runs out
+    H.save("fp8speed8b")
+    pipeline_reps("fp8speed8b", "fp8", model, int(os.environ.get("NPIPE8B", "1200")))
+    H.stop("s8b-plugin")
+    H.save("fp8speed8b")
+
+
+def pipeline_reps(
+    phase: str, store: str, model: Path, n: int, reps: int = H.L8B_REPS, store_options: dict | None = None
+) -> None:
+    """``reps`` pipeline runs of ``n`` 2,048-token samples on one plugin server, each after a probe of the disk
+    (its ceiling then), with the scheduler's memory sampled throughout; added to the phase's list."""
+    R = H.RESULTS[phase]
+    plugin_server(model)
+    R.setdefault("pipeline", [])
+    for rep in range(len(R["pipeline"]), len(R["pipeline"]) + reps):
+        ds = H.ROOT / f"l8b-{rep}.jsonl"
+        H.pretokenized(ds, [H.L8B_LENGTH] * n, 49152, seed=20 + rep)
+        disk = H.disk_probe()
+        with H.MemorySampler(H.PROCS["s8b-plugin"].pid) as memory:
+            out = H.pipeline(f"{phase}-{rep}-{int(time.time())}", model, ds, H.SGL_PORT, H.L8B_CONCURRENCY, 8192,
+                           timeout=400, store=store, sink=True, store_options=store_options)  # fmt: skip
+        out["server_memory"], out["disk"] = memory.result(), disk
+        counts = out.get("counts") or {}
+        # the stored bytes a token as counted by the workers (a layout's are not the dumps' fixed width)
+        out["bytes_per_token"] = round(int(counts.get("bytes", 0)) / max(int(counts.get("tokens", 0)), 1), 1)
+        R["pipeline"].append(out)
+        H.log(f"{phase} pipeline {rep}: {out['tokens_per_s']} tok/s, memory {out['server_memory']}")
+        H.save(phase)
+    R["plugin_log"] = extraction.plugin_lines("s8b-plugin")
+
+
+def phase_layoutspeed8b() -> None:
+    """The default storage layout's pipeline at the 8B shape, repeated: the plugin computes the top-24 in place of the
+    final state and the 4-bit aux states on the GPU; both checked first against the workers' encoders."""
+    R = H.RESULTS.setdefault("layoutspeed8b", {})
+    H.redis_up()
+    from eaglet.shared.runoptions import DEFAULT_TOPK
+
+    R["encoders_vs_cpu"] = layout_bits_check(l8b_prompts(8, 98), DEFAULT_TOPK)  # a fault shows first
+    H.save("layoutspeed8b")
+    pipeline_reps("layoutspeed8b", "bf16", H.MODELS / "l8b", int(os.environ.get("NPIPE8B", "1200")), store_options={})
+    H.stop("s8b-plugin")
+    H.save("layoutspeed8b")
+
+
+def phase_fp4speed8b() -> None:
+    """The 4-bit aux states alone (the final state kept whole: 0.46x bf16, no top-k) at the 8B shape, repeated
+    (``FP4_REPS``): the small layout's speed without the vocabulary head's product."""
+    H.RESULTS.setdefault("fp4speed8b", {})
+    H.redis_up()
+    fp4_alone = {"store_final": "all", "store_aux": "fp4"}
+    reps = int(os.environ.get("FP4_REPS", str(H.L8B_REPS)))
+    pipeline_reps("fp4speed8b", "bf16", H.MODELS / "l8b", int(os.environ.get("NPIPE8B", "1200")), reps, fp4_alone)
+    H.stop("s8b-plugin")
+    H.save("fp4speed8b")
+
+
+def plugin_server(model: Path) -> None:
+    if "s8b-plugin" not in H.PROCS:
+        H.RESULTS["plugin8b_startup_s"] = H.sglang("s8b-plugin", model, plugin=True, extra=H.L8B_EXTRA)
+        H.bench(H.SGL_PORT, l8b_prompts(32, 1), H.L8B_CONCURRENCY, "eaglet:warm:s:", True)
+
+
+def fp8_bits_check(prompts: list[list[int]]) -> dict:
+    """The GPU encoder against the workers' CPU encoder, bit for bit: on the same tensors (the full-width dumps
+    moved to the GPU), and through the plugin (the same prompt dumped full width, again full width to see
+    whether two forwards agree at all, and fp8-encoded on the GPU)."""
+    import torch
+
+    from eaglet.shared.dumpfile import read_dump
+    from eaglet.shared.store import FP8_DEVICE_BLOCK_BYTES, encode_fp8
+
+    plugin_server(H.MODELS / "l8b")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{H.SGL_PORT}", timeout=600)
+    same_tensor = equal = checked = forwards_agree = 0
+    for i, ids in enumerate(prompts):
+        paths = dumps_of(client, ids, f"{i}", {"w": {}, "v": {}, "e": {"eaglet_dump": "fp8"}})
+        wide, again, enc = (read_dump(p) for p in paths)
+        for name in ("hidden_states", "aux_hidden_states"):
+            x = getattr(wide, name)
+            values, scale = encode_fp8(x)
+            gpu_values, gpu_scale = encode_fp8(x.cuda(), FP8_DEVICE_BLOCK_BYTES)
+            checked += 1
+            same_tensor += bool(torch.equal(gpu_values.cpu().view(torch.uint8), values.view(torch.uint8))
+                                and torch.equal(gpu_scale.cpu(), scale))  # fmt: skip
+            forwards_agree += bool(torch.equal(x, getattr(again, name)))
+            equal += bool(torch.equal(getattr(enc, name).view(torch.uint8), values.view(torch.uint8))
+                          and torch.equal(enc.scales[f"{name}_scale"], scale))  # fmt: skip
+        for path in paths:
+            path.unlink()
+    return {
+        "tensors_checked": checked,
+        "gpu_vs_cpu_same_tensor_identical": same_tensor,
+        "two_full_width_forwards_identical": forwards_agree,
+        "plugin_fp8_dump_vs_cpu_encoding_of_full_width_dump_identical": equal,
+    }
+
+
+def dumps_of(client: httpx.Client, ids: list[int], tag: str, kinds: dict[str, dict]) -> list[Path]:
+    """The plugin's dump of one prompt for each kind of request (its ``custom_params``), one after another."""
+    paths = []
+    for kind, params in kinds.items():
+        rid = f"eaglet:bits:{kind}{tag}:0"
+        sp = {"max_new_tokens": 1, "temperature": 0, "custom_params": params}
+        client.post("/generate", json={"input_ids": ids, "rid": rid, "sampling_params": sp}).raise_for_status()
+        path = H.DUMPS / f"{rid}.safetensors"
+        t = time.time()
+        while not path.exists() and time.time() - t < 60:
+            time.sleep(0.01)
+        paths.append(path)
+    return paths
+
+
+def layout_bits_check(prompts: list[list[int]], k: int) -> dict:
+    """The default layout's dump against the workers' CPU encoders on the full-width dump of the same prompt: the
+    4-bit aux states bit for bit; the top-k against ``encode_topk`` on the GPU from the full-width final states (the
+    plugin scores every asking request's rows in one product, whose kernel may round otherwise)."""
+    import torch
+
+    from eaglet.shared.dumpfile import read_dump
+    from eaglet.shared.fp4 import encode_fp4
+    from eaglet.shared.store import FP4_AUX_TENSORS
+    from eaglet.shared.targettensors import load_target_tensors
+    from eaglet.shared.topk import encode_topk
+
+    plugin_server(H.MODELS / "l8b")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{H.SGL_PORT}", timeout=600)
+    head = load_target_tensors(H.MODELS / "l8b", ("lm_head",))["lm_head"].cuda()
+    out = {"prompts": 0, "fp4_identical": 0, "final_state_omitted": 0, "topk_ids_equal_fraction": [],
+           "topk_logp_max_abs_diff": []}  # fmt: skip
+    for i, ids in enumerate(prompts):
+        paths = dumps_of(client, ids, f"l{i}", {"w": {}, "d": {"eaglet_topk": k, "eaglet_aux": "e2m1_b32"}})
+        wide, default = (read_dump(p) for p in paths)
+        out["prompts"] += 1
+        codes = encode_fp4(wide.aux_hidden_states)
+        out["fp4_identical"] += all(
+            torch.equal(default.aux_fp4[n], c) for n, c in zip(FP4_AUX_TENSORS, codes, strict=True)
+        )
+        out["final_state_omitted"] += default.hidden_states is None
+        top_ids, top_logp = encode_topk(wide.hidden_states.cuda(), head, k)
+        got_ids, got_logp = default.topk["topk_ids"], default.topk["topk_logp"]
+        out["topk_ids_equal_fraction"].append(round(float((got_ids == top_ids.cpu()).float().mean()), 5))
+        out["topk_logp_max_abs_diff"].append(round(float((got_logp.float() - top_logp.cpu().float()).abs().max()), 5))
+        for path in paths:
+            path.unlink()
+    return out
+
+
+def phase_ref8b() -> None:
+    R = H.RESULTS.setdefault("ref8b", {})
+    model = H.MODELS / "l8b"
+    rng = random.Random(5)
+    n = int(os.environ.get("REF8B_SAMPLES", "96"))
+    prompts = [[rng.randrange(3, 49152) for _ in range(2048)] for _ in range(n)]
+    H.redis_up()
+    R["startup_no_dump_s"] = H.reference("r8b-nodump", model, dump=False)
+    H.bench(H.REF_PORT, prompts[:16], 32, "warm-", False)
+    R["server_alone"] = H.bench(H.REF_PORT, prompts, 32, "eaglet:r8b:s:", False)
+    H.stop("r8b-nodump")
+    H.save("ref8b")
+    R["startup_dump_s"] = H.reference("r8b-dump", model, dump=True)
+    ds = H.ROOT / "r8b.jsonl"
+    H.pretokenized(ds, [2048] * n, 49152, seed=6)
+    R["pipeline"] = H.pipeline(f"r8b-{int(time.time())}", model, ds, H.REF_PORT, 32, 8192, timeout=300)
+    R["ratio_pipeline_vs_server"] = round(R["pipeline"]["tokens_per_s"] / R["server_alone"]["tokens_per_s"], 4)
+    H.stop("r8b-dump")
+    H.save("ref8b")
