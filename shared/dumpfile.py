@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 
 from .fp4 import FP4_DEVICE_BLOCK_BYTES, Fp4Error, check_fp4, encode_fp4
 from .ids import check_rid
-from .layout import FP4_STORAGE, TopkError, check_k
+from .layout import FP4_BLOCK, FP4_STORAGE, TopkError, check_k
 from .store import (
     FP4_AUX_TENSORS,
     FP8,
@@ -66,6 +66,14 @@ AUX_ENCODING_PARAM = "eaglet_aux"
 
 class DumpInvalid(ValueError):
     """A dump that must not be stored: partial, unreadable, wrong shape, dtype or token count, not finite."""
+
+
+class LayersMissing(DumpInvalid):
+    """The dump lacks layers that were asked of it (``Dump.with_layers``)."""
+
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
 
 
 @dataclass(frozen=True)
@@ -183,6 +191,37 @@ class Dump:
         if self.aux_hidden_states is not None:
             return self.aux_hidden_states.shape[-1]
         return 2 * self.aux_fp4[FP4_AUX_TENSORS[0]].shape[-1]
+
+    def with_layers(self, wanted: list[int]) -> "Dump":
+        """The dump reduced to layers ``wanted``, in that order: each one's H-wide block of the aux states (of their
+        4-bit codes and block scales) taken out, the rest as it is; the dump itself when it holds exactly those.
+        A server may capture the layers of several drafters at once (EAGLE-3's and DFlash's), each run storing its
+        own. ``LayersMissing`` naming the layers it lacks. The per-token fp8 scale of a row still decodes a subset."""
+        have = self.aux_layer_ids
+        if wanted == have:
+            return self
+        missing = [i for i in wanted if i not in have]
+        rid = self.metadata.get("rid")
+        if missing:
+            raise LayersMissing(f"dump {rid}: holds layers {have}, not {missing} of {wanted}", missing)
+        H = self.hidden_size
+        blocks = [have.index(i) for i in wanted]
+
+        def take(t: torch.Tensor, width: int) -> torch.Tensor:  # [T, K*width] -> [T, len(wanted)*width]
+            return torch.cat([t[:, k * width : (k + 1) * width] for k in blocks], dim=1)
+
+        aux = None if self.aux_hidden_states is None else take(self.aux_hidden_states, H)
+        fp4 = {}
+        if self.aux_fp4:
+            if H % FP4_BLOCK:
+                raise DumpInvalid(f"dump {rid}: 4-bit aux states of {H}-wide layers: a block of {FP4_BLOCK} spans "
+                                  "two layers, so layers cannot be taken out of it")  # fmt: skip
+            codes, scales = (self.aux_fp4[k] for k in FP4_AUX_TENSORS)
+            fp4 = dict(zip(FP4_AUX_TENSORS, (take(codes, H // 2), take(scales, H // FP4_BLOCK)), strict=True))
+        # the dump file's slices of the aux states are not the kept ones: those are written from memory
+        slices = {k: v for k, v in self.slices.items() if k not in ("aux_hidden_states", *FP4_AUX_TENSORS)}
+        metadata = {**self.metadata, "aux_layer_ids": json.dumps(list(wanted))}
+        return Dump(self.hidden_states, aux, metadata, slices, self.scales, self.topk, fp4)
 
     @property
     def aux_layer_ids(self) -> list[int]:

@@ -13,11 +13,20 @@ from typing import Annotated, Literal, TypedDict, get_args
 
 from pydantic import Field
 
+from .layers import (
+    DFLASH_DEFAULT_DRAFT_LAYERS,
+    EAGLE3_NUM_LAYERS,
+    default_layer_ids,
+    dflash_layer_ids,
+    layer_ids_problem,
+    parse_layer_ids,
+)
 from .layout import DEFAULT_LAYOUT, AuxStorage, FinalStorage, Layout
 
 Overlong = Literal["truncate", "reject"]
 StoreDtype = Literal["model", "bf16", "fp8"]
 Reasoning = Literal["think_tags", "drop"]
+Method = Literal["eagle3", "dflash"]
 MIN_MAX_TOKENS = 2
 DEFAULT_TOPK = DEFAULT_LAYOUT.topk
 
@@ -29,6 +38,8 @@ class StoreOptions(TypedDict, total=False):
     store_final: FinalStorage
     store_topk: int
     store_aux: AuxStorage
+    method: Method
+    aux_layer_ids: list[int] | None
 
 
 EVERY_STATE: StoreOptions = {"store_final": "all", "store_aux": "full"}
@@ -108,6 +119,13 @@ class RunOptions:
     """Entries of the top-k distribution a token keeps (``store_final: topk``: 1 to 1024; 24 when left 0)."""
     store_aux: AuxStorage = DEFAULT_LAYOUT.aux
     """The auxiliary states at ``full`` width (``store_dtype``) or block-scaled 4-bit (``fp4``)."""
+    method: Method = "eagle3"
+    """The drafter the run trains: ``eagle3`` (three target layers) or ``dflash`` (one per draft layer)."""
+    aux_layer_ids: list[int] | None = None
+    """The target layers whose states the run stores, eaglet's ids (the input of layer i, shared/layers.py), in the
+    order the drafter reads them; each worker takes them out of what its server captures (``EAGLET_AUX_LAYER_IDS``),
+    which may be more. None: the method's default for the target, fixed here at ingest (``eagle3``:
+    ``default_layer_ids(L)``; ``dflash``: ``dflash_layer_ids(L, DFLASH_DEFAULT_DRAFT_LAYERS)``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.regenerate, dict):  # read back from the run's record (JSON)
@@ -124,6 +142,26 @@ class RunOptions:
         if self.store_final == "topk" and self.store_topk == 0:
             object.__setattr__(self, "store_topk", DEFAULT_TOPK)
         self.layout()  # checks the three store_ fields together
+        if self.method not in get_args(Method):
+            raise ValueError(f"method={self.method!r}: use one of {', '.join(get_args(Method))}")
+        if self.aux_layer_ids is not None:
+            count = EAGLE3_NUM_LAYERS if self.method == "eagle3" else None  # EAGLE-3's fc reads exactly three
+            problem = layer_ids_problem(self.aux_layer_ids, None, count)
+            if problem:
+                raise ValueError(f"aux_layer_ids={self.aux_layer_ids} (method {self.method}): {problem}")
+
+    def layer_ids(self, num_layers: int) -> list[int]:
+        """The layers the run stores for a target of ``num_layers`` layers; ``ValueError`` for ids it lacks."""
+        if self.aux_layer_ids is not None:
+            ids = list(self.aux_layer_ids)
+        elif self.method == "dflash":
+            ids = dflash_layer_ids(num_layers, DFLASH_DEFAULT_DRAFT_LAYERS)
+        else:
+            ids = default_layer_ids(num_layers)
+        problem = layer_ids_problem(ids, num_layers)
+        if problem:
+            raise ValueError(f"aux_layer_ids {ids} (method {self.method}): {problem}")
+        return ids
 
     def layout(self) -> Layout:
         """The storage layout these options name."""
@@ -152,9 +190,21 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-aux", choices=get_args(AuxStorage), default=defaults.store_aux,
                         help="the auxiliary states at full width or block-scaled 4-bit "
                         f"(default {defaults.store_aux})")  # fmt: skip
+    parser.add_argument("--method", choices=get_args(Method), default=defaults.method,
+                        help=f"the drafter the run trains (default {defaults.method})")  # fmt: skip
+    parser.add_argument("--aux-layer-ids", type=_layer_ids_flag, default=None, metavar="1,9,17",
+                        help="the target layers the run stores, out of those the server captures (default: the "
+                        "method's: EAGLE-3's three, DFlash's five)")  # fmt: skip
+
+
+def _layer_ids_flag(text: str) -> list[int]:
+    try:
+        return parse_layer_ids(text, "--aux-layer-ids")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def store_flags(args: argparse.Namespace) -> StoreOptions:
     """What the flags of ``add_store_flags`` set, as ``RunOptions`` fields."""
     return StoreOptions(store_dtype=args.store_dtype, store_final=args.store_final, store_topk=args.store_topk,
-                        store_aux=args.store_aux)  # fmt: skip
+                        store_aux=args.store_aux, method=args.method, aux_layer_ids=args.aux_layer_ids)  # fmt: skip

@@ -3,9 +3,13 @@
 Each attempt has its own rid (``eaglet:<run>:<sample>:<attempt>``), so a dump left by an earlier
 attempt or another request can never be taken for this one.
 
-Every dump records the layers the server captured. The first dump checked sets the run's captured layers
-(``RunMeta.captured_layers``, once); a later dump of other layers is refused and its sample failed at once, with
-both sets of layers in the reason: a server configured with other layers would refuse every retry the same way.
+Every dump records the layers the server captured, and a run names the layers it stores (``RunOptions.aux_layer_ids``,
+fixed at ingest from its method's default where it gave none): the worker takes those out of the dump, in the run's
+order, so one server capturing several drafters' layers (EAGLE-3's and DFlash's) serves runs of each. A dump without
+one of the run's layers fails its sample at once, naming the layers and the server setting that captures them: the
+same server would give the same on every retry. The first dump stored sets the run's captured layers
+(``RunMeta.captured_layers``, once); a run recorded before runs named their layers stores each dump's own, and a
+later dump of other layers is refused the same way.
 """
 
 import errno
@@ -26,6 +30,7 @@ from eaglet.shared.dumpfile import (
     Dump,
     DumpEncoding,
     DumpInvalid,
+    LayersMissing,
     dump_path,
     read_dump,
     validate_dump,
@@ -178,8 +183,8 @@ class Extractor:
             if dump.fp8 != encoding.fp8:
                 raise DumpInvalid(f"dump {rid}: storage {dump.metadata.get('storage')!r}, but this worker asked for "
                                   f"{FP8_ENCODING if encoding.fp8 else 'full width'}")  # fmt: skip
-            self._check_layers(state, sample, dump, rid)
             self.captured = (dump.hidden_size, dump.aux_layer_ids)
+            dump = self._run_layers(state, sample, dump, rid, meta.options.aux_layer_ids if meta.options else None)
             lap("check")
             tensors = {
                 "input_ids": torch.from_numpy(sample.input_ids),
@@ -201,14 +206,21 @@ class Extractor:
         finally:
             dump_file.unlink(missing_ok=True)
 
-    def _check_layers(self, state: RunState, sample: Sample, dump: Dump, rid: str) -> None:
-        """The dump's captured layers must be the run's; the first dump checked sets them."""
-        try:
-            layers = dump.aux_layer_ids
-        except (KeyError, ValueError) as e:
-            raise DumpInvalid(f"dump {rid}: no readable aux_layer_ids in its metadata") from e
-        if not isinstance(layers, list) or not all(type(i) is int for i in layers):
-            raise DumpInvalid(f"dump {rid}: aux_layer_ids {layers!r} is not a list of layer ids")
+    def _run_layers(self, state: RunState, sample: Sample, dump: Dump, rid: str, wanted: list[int] | None) -> Dump:
+        """The dump reduced to the layers the run stores (``wanted``; None: the dump's own); the first dump stored
+        sets the run's captured layers, and a dump that cannot give them is refused."""
+        if wanted is not None:
+            captured = dump.aux_layer_ids
+            try:
+                dump = dump.with_layers(wanted)
+            except LayersMissing as e:
+                both = ",".join(map(str, sorted(set(captured) | set(wanted))))
+                raise LayersDisagree(
+                    f"sample {sample.sample_id}: the run stores layers {wanted}, its dump {rid} holds layers "
+                    f"{captured}, without {e.missing}: set the inference server's EAGLET_AUX_LAYER_IDS to capture "
+                    f"them (EAGLET_AUX_LAYER_IDS={both} serves this run and the server's others)"
+                ) from e
+        layers = dump.aux_layer_ids
         run_layers = self._layers.get(state.run_id)
         if run_layers is None:
             run_layers = self._layers[state.run_id] = state.claim_captured_layers(layers)
@@ -218,6 +230,7 @@ class Extractor:
                 f"layers {run_layers}; one run's samples must all come from the same layers (is this inference "
                 "server set to capture other layers than the one that extracted the first samples?)"
             )
+        return dump
 
     def _drop_old_dumps(self, run_id: str, sample_id: str, attempt: int) -> None:
         # Dumps of earlier attempts whose worker died, or whose answer never came (a server killed after it

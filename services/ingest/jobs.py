@@ -15,11 +15,9 @@ from transformers import AutoTokenizer
 
 from eaglet.services.ingest.ingest import IngestResult, ingest_dataset
 from eaglet.shared.config import Settings
-from eaglet.shared.connections import connect
 from eaglet.shared.fp4 import Fp4Error
 from eaglet.shared.jobqueue import cancel, enqueue_samples
-from eaglet.shared.layers import default_layer_ids
-from eaglet.shared.layout import FP4_BLOCK, NUM_AUX, check_k
+from eaglet.shared.layout import FP4_BLOCK, check_k
 from eaglet.shared.records import ACTIVE_STAGES, RunMeta
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runs import create_run
@@ -27,6 +25,7 @@ from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import SampleSet, SampleWriter
 from eaglet.shared.store import samples_dir
 from eaglet.shared.target import resolve_model_dir, text_config
+from eaglet.shared.workerloop import job_process
 
 log = logging.getLogger(__name__)
 ENQUEUE_BATCH = 1000
@@ -80,9 +79,11 @@ def _describe_target(state: RunState, settings: Settings, meta: RunMeta) -> RunM
     # the layout's limits that depend on the target, checked before any sample is queued
     if options.store_final == "topk":
         check_k(options.store_topk, config["vocab_size"])
-    if options.store_aux == "fp4" and NUM_AUX * config["hidden_size"] % FP4_BLOCK:
-        raise Fp4Error(f"store_aux fp4: aux states {NUM_AUX} x {config['hidden_size']} wide are not whole blocks of "
+    # Whole blocks per layer, not only per row: a worker takes a run's layers out of a dump of more, block by block.
+    if options.store_aux == "fp4" and config["hidden_size"] % FP4_BLOCK:
+        raise Fp4Error(f"store_aux fp4: each layer's aux state, {config['hidden_size']} wide, is not whole blocks of "
                        f"{FP4_BLOCK}; store them full width (store_aux 'full', --store-aux full)")  # fmt: skip
+    layers = options.layer_ids(num_layers)
     context = config.get("max_position_embeddings", options.max_tokens)
     target = RunMeta(
         model=settings.model,
@@ -90,9 +91,10 @@ def _describe_target(state: RunState, settings: Settings, meta: RunMeta) -> RunM
         hidden_size=config["hidden_size"],
         num_layers=num_layers,
         vocab_size=config["vocab_size"],
-        aux_layer_ids=default_layer_ids(num_layers),
+        aux_layer_ids=layers,
         options=replace(
             options,
+            aux_layer_ids=layers,
             max_tokens=min(options.max_tokens, context),
             store_dtype=options.store_dtype or settings.store_dtype,
         ),
@@ -153,6 +155,5 @@ def _ingest(
 def ingest_job(run_id: str) -> dict:
     """RQ job: ``ingest_run`` with the worker's settings and connection. Queued again after its worker died
     (services/ingest/resume.py), it takes the ingest up where it last flushed."""
-    settings = Settings()
-    redis = connect(settings.redis_url)  # run state is text; RQ's own client is not
-    return asdict(ingest_run(redis, settings, run_id))
+    process = job_process()
+    return asdict(ingest_run(process.redis, process.settings, run_id))

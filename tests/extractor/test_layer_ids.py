@@ -1,10 +1,12 @@
-"""The run's captured layers come from its dumps: the first dump sets them, a dump of other layers is refused with
-its sample named, and the drafter's config.json records the layers the server captured, not ingest's default."""
+"""The run names the layers it stores, the worker takes them out of what the server captures: a dump of more layers
+is cut to the run's, one without them fails its sample naming the layers and the server setting, the first dump
+stored sets the run's captured layers, and the drafter's config.json records them."""
 
 import json
 
 import httpx
 import pytest
+import torch
 
 from eaglet.services.extractor.extract import Extractor
 from eaglet.services.inference.engine import ReferenceEngine
@@ -14,11 +16,12 @@ from eaglet.services.trainer.distributed import Dist
 from eaglet.services.trainer.train import train
 from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.config import Settings
+from eaglet.shared.fp4 import encode_fp4
 from eaglet.shared.layers import default_layer_ids
-from eaglet.shared.runoptions import RunOptions
+from eaglet.shared.runoptions import EVERY_STATE, RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.status import read_run
-from eaglet.shared.store import drafter_dir
+from eaglet.shared.store import FP4_AUX_TENSORS, decode_states, drafter_dir, open_sample, read_metadata, sample_path
 
 LAYERS = [1, 2, 4]  # the tiny Llama has 6 layers: ingest's default is [3, 4, 5]
 
@@ -30,10 +33,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir, serve_reference):
-    """The reference server on the tiny Llama, over real HTTP, capturing ``LAYERS`` (in this process: its engine's
-    layers are set here, the reference server having no setting of its own for them)."""
-    engine = ReferenceEngine(tiny_model_dir)
-    engine.aux_layer_ids = list(LAYERS)
+    """The reference server on the tiny Llama, over real HTTP, capturing ``LAYERS`` (in this process: a test may
+    change the layers its engine captures, as a restarted server with another ``EAGLET_AUX_LAYER_IDS``)."""
+    engine = ReferenceEngine(tiny_model_dir, aux_layer_ids=LAYERS)
     dump_dir = tmp_path_factory.mktemp("layers-server") / "dump"
     with serve_reference(engine, dump_dir) as url:
         yield Server(url, dump_dir, engine)
@@ -45,12 +47,12 @@ def settings(tmp_path, redis_server, server, tiny_model_dir) -> Settings:
                     model=str(tiny_model_dir), inference_url=server.url)  # fmt: skip
 
 
-def ingest(redis, settings: Settings, tmp_path, run_id: str, n: int) -> None:
+def ingest(redis, settings: Settings, tmp_path, run_id: str, n: int, options: RunOptions | None = None) -> None:
     rows = [{"id": f"s{i}", "input_ids": [(7 * i + j) % 500 + 30 for j in range(24 + i)],
              "loss_mask": [0] * 6 + [1] * (18 + i)} for i in range(n)]  # fmt: skip
     path = tmp_path / f"{run_id}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ingest_new_run(redis, settings, run_id, path, RunOptions())
+    ingest_new_run(redis, settings, run_id, path, options or RunOptions(aux_layer_ids=LAYERS))
 
 
 def extractor(settings: Settings, redis) -> Extractor:
@@ -63,7 +65,7 @@ def test_the_drafter_records_the_layers_the_server_captured(redis, settings, ser
     n = 8
     ingest(redis, settings, tmp_path, "caught", n)
     state = RunState(redis, "caught")
-    assert state.meta().aux_layer_ids == default_layer_ids(6) != LAYERS  # ingest's guess, not what was captured
+    assert state.meta().aux_layer_ids == LAYERS == state.meta().options.aux_layer_ids
     work = extractor(settings, redis)
     for i in range(n):
         assert work.extract("caught", i).startswith("done"), i
@@ -95,6 +97,50 @@ def test_a_dump_of_other_layers_is_refused_naming_its_sample(redis, settings, se
     (error,) = read_run(redis, "mixed", config=StatusConfig()).run.extraction.last_errors
     assert error.final and error.sample_id == "s1"
     assert "sample s1" in error.reason and str(other) in error.reason and str(LAYERS) in error.reason
+
+
+def test_a_run_of_layers_the_server_does_not_capture_fails_naming_them_and_the_setting(
+    redis, settings, server, tmp_path
+):
+    ingest(redis, settings, tmp_path, "default", 1, RunOptions())  # EAGLE-3's default for 6 layers: [3, 4, 5]
+    state = RunState(redis, "default")
+    assert state.meta().aux_layer_ids == default_layer_ids(6) == [3, 4, 5]
+    assert extractor(settings, redis).extract("default", 0) == "failed"
+    assert state.counts().failed == 1 and state.counts().retries == 0  # the same server gives the same every time
+    (error,) = read_run(redis, "default", config=StatusConfig()).run.extraction.last_errors
+    assert error.final and error.sample_id == "s0"
+    assert "the run stores layers [3, 4, 5]" in error.reason and f"holds layers {LAYERS}" in error.reason
+    assert "without [3, 5]" in error.reason and "EAGLET_AUX_LAYER_IDS=1,2,3,4,5" in error.reason
+
+
+@pytest.mark.parametrize("layout", [EVERY_STATE, {}], ids=["full", "default"])
+def test_a_run_stores_its_layers_out_of_a_server_capturing_more(redis, settings, server, tmp_path, layout):
+    """A server capturing five layers (EAGLE-3's and more): an EAGLE-3 run stores its three, in its order, exactly
+    the states of those layers (and in 4 bits, exactly their codes: blocks never span two layers)."""
+    run = f"subset-{len(layout)}"
+    ingest(redis, settings, tmp_path, run, 2, RunOptions(**layout))
+    server.engine.aux_layer_ids = [1, 2, 3, 4, 5]
+    try:
+        work = extractor(settings, redis)
+        assert all(work.extract(run, i).startswith("done") for i in range(2))
+    finally:
+        server.engine.aux_layer_ids = list(LAYERS)
+    assert RunState(redis, run).meta().captured_layers == [3, 4, 5]
+    sample = work.sample_set(run)[1]
+    path = sample_path(settings.data_dir, run, sample.sample_id)
+    assert json.loads(read_metadata(path)["aux_layer_ids"]) == [3, 4, 5]
+    with torch.inference_mode():
+        out = server.engine.model.model(input_ids=torch.tensor([sample.input_ids.tolist()]), output_hidden_states=True)
+    direct = torch.cat([out.hidden_states[i][0] for i in (3, 4, 5)], dim=-1)  # [T, 3H]
+    stored = open_sample(path)
+    if layout:
+        torch.testing.assert_close(stored["aux_hidden_states"], direct, atol=1e-5, rtol=1e-4)
+    else:
+        codes, scales = encode_fp4(direct)
+        assert (stored[FP4_AUX_TENSORS[0]] != codes).float().mean() < 0.01  # a rounding tie at most, here and there
+        torch.testing.assert_close(stored[FP4_AUX_TENSORS[1]].float(), scales.float(), atol=1e-2, rtol=1e-2)
+        aux = decode_states(stored, read_metadata(path), torch.float32)["aux_hidden_states"]
+        assert aux.shape == direct.shape and float((aux - direct).norm() / direct.norm()) < 0.12
 
 
 def test_the_first_dump_sets_the_layers_once(redis):
