@@ -4,8 +4,11 @@ Every way a line can be wrong raises ``BadLine`` with the reason; the caller add
 """
 
 import hashlib
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from .ids import UnsafeName, check_id
 
@@ -31,9 +34,30 @@ class Pretokenized:
     loss_mask: list[int]
 
 
+def read_lines(f: BinaryIO, first_line: int = 1) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, line, its size) for each line from the file's position, blank lines and newlines kept; the line
+    is None when it is over ``MAX_LINE_BYTES``, and skipped in chunks: a file without newlines (or a 10 GB line)
+    never sits in memory whole."""
+    for number in itertools.count(first_line):
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        size = len(raw)
+        if size > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while chunk := f.readline(1 << 20):
+                size += len(chunk)
+                if chunk.endswith(b"\n"):
+                    break
+        yield number, raw if size <= MAX_LINE_BYTES else None, size
+
+
+def oversize(size: int) -> BadLine:
+    return BadLine(f"line of {size} bytes exceeds the {MAX_LINE_BYTES}-byte limit")
+
+
 def parse_line(raw: bytes) -> Conversation | Pretokenized:
     if len(raw) > MAX_LINE_BYTES:
-        raise BadLine(f"line of {len(raw)} bytes exceeds the {MAX_LINE_BYTES}-byte limit")
+        raise oversize(len(raw))
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

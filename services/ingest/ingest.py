@@ -7,10 +7,9 @@ whose process died is taken up from its last flush.
 """
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 from transformers import PreTrainedTokenizerBase
 
@@ -61,16 +60,16 @@ def ingest_dataset(
     first_line_of: dict[str, int | None] = dict.fromkeys(earlier_ids)
     with open(path, "rb") as f:
         f.seek(result.offset)
-        for line_no, (raw, size) in enumerate(_lines(f, chatlines.MAX_LINE_BYTES), start=result.lines + 1):
+        for line_no, raw, size in chatlines.read_lines(f, result.lines + 1):
             result.lines, result.offset = line_no, f.tell()
-            if size <= chatlines.MAX_LINE_BYTES and not raw.strip():
+            if raw is not None and not raw.strip():
                 continue
             if options.limit is not None and result.samples >= options.limit:
                 break
             sample_id = ""
             try:
-                if size > chatlines.MAX_LINE_BYTES:
-                    raise BadLine(f"line of {size} bytes exceeds the {chatlines.MAX_LINE_BYTES}-byte limit")
+                if raw is None:
+                    raise chatlines.oversize(size)
                 record = parse_line(raw)
                 sample_id = record.sample_id
                 if sample_id in first_line_of:
@@ -96,19 +95,6 @@ def ingest_dataset(
             result.truncated += truncated
             on_sample(index)
     return result
-
-
-def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[bytes, int]]:
-    """(line, its size) per line; a line over ``limit`` comes as its first bytes only, and is skipped over
-    in chunks: a file without newlines (or a 10 GB line) never sits in memory whole."""
-    while raw := f.readline(limit + 1):
-        size = len(raw)
-        if size > limit and not raw.endswith(b"\n"):
-            while chunk := f.readline(1 << 20):
-                size += len(chunk)
-                if chunk.endswith(b"\n"):
-                    break
-        yield raw, size
 
 
 def _tokens(record, tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:

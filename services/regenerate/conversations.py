@@ -11,8 +11,10 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import BinaryIO
 
+from eaglet.shared import chatlines
 from eaglet.shared.chatlines import MAX_LINE_BYTES, ROLES, SHAREGPT_ROLES, BadLine
 from eaglet.shared.ids import UnsafeName, check_id
 
@@ -29,7 +31,7 @@ class Prompt:
 def parse_prompt(raw: bytes, line: int) -> Prompt:
     """``raw`` (one line, without its newline or with it) as a ``Prompt``; ``BadLine`` if it is not one."""
     if len(raw) > MAX_LINE_BYTES:
-        raise BadLine(f"line of {len(raw)} bytes exceeds the {MAX_LINE_BYTES}-byte limit")
+        raise chatlines.oversize(len(raw))
     try:
         obj = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -88,23 +90,7 @@ def _prompt_id(obj: dict, raw: bytes) -> str:
 
 def read_lines(f: BinaryIO, first_line: int, count: int) -> Iterator[tuple[int, bytes | None, int]]:
     """(line number, line or None if it is over the size limit, its size) for the next ``count`` non-blank lines
-    from the file's position; a line over the limit is skipped in chunks, never held whole."""
-    line, seen = first_line - 1, 0
-    while seen < count:
-        raw = f.readline(MAX_LINE_BYTES + 1)
-        if not raw:
-            return
-        line += 1
-        size = len(raw)
-        if size > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-            while chunk := f.readline(1 << 20):
-                size += len(chunk)
-                if chunk.endswith(b"\n"):
-                    break
-            seen += 1
-            yield line, None, size
-            continue
-        if not raw.strip():
-            continue
-        seen += 1
-        yield line, raw.rstrip(b"\r\n"), size
+    from the file's position; nothing is read past the last of them (a batch's end offset is the file's position)."""
+    kept = ((number, raw if raw is None else raw.rstrip(b"\r\n"), size)
+            for number, raw, size in chatlines.read_lines(f, first_line) if raw is None or raw.strip())  # fmt: skip
+    return islice(kept, count)
