@@ -16,7 +16,7 @@ from . import keys
 from .alerts import StatusConfig, run_alerts, stall_limit, usual_interval
 from .heartbeats import parse_inference, parse_workers
 from .keys import RunKeys
-from .layout import bytes_per_token
+from .layout import NUM_AUX, bytes_per_token
 from .records import (
     ACTIVE_STAGES,
     EvalResult,
@@ -435,7 +435,8 @@ def _storage(meta: RunMeta, counts: ExtractionCounts, cluster: Cluster) -> Stora
     if meta.hidden_size and total_tokens:
         # ``model`` counted as 2 bytes, a GPU server's dtype
         expected = bytes_per_token(meta.hidden_size, layout, options.store_dtype or "model",
-                                   loss_fraction=(meta.loss_tokens or total_tokens) / total_tokens)  # fmt: skip
+                                   loss_fraction=(meta.loss_tokens or total_tokens) / total_tokens,
+                                   num_aux=len(meta.aux_layer_ids or ()) or NUM_AUX)  # fmt: skip
     rate = per_token if per_token is not None else expected
     projected = round(rate * total_tokens) if rate is not None and total_tokens is not None else None
     return Storage(

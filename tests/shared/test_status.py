@@ -8,7 +8,7 @@ import pytest
 from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.heartbeats import beat, report_inference
 from eaglet.shared.layout import bytes_per_token
-from eaglet.shared.records import EvalResult, TrainProgress, WorkerRole, WorkerState
+from eaglet.shared.records import EvalResult, RunMeta, TrainProgress, WorkerRole, WorkerState
 from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.status import read_run, read_status
@@ -51,6 +51,9 @@ def test_the_storage_projection_counts_the_runs_layout_before_its_first_sample(r
     expected = bytes_per_token(7168, options.layout(), "bf16")  # 12,293 B: 0.21 of bf16's 57,349
     assert st.bytes_per_token is None and st.layout == "top32+fp4"
     assert st.expected_bytes_per_token == expected and st.projected_total_bytes == round(1000 * expected)
+    state.update_meta(RunMeta(aux_layer_ids=[2, 9, 15, 21, 28]))  # a DFlash run's five layers
+    five = read_run(redis, "top", config=CONFIG).run.storage
+    assert five.expected_bytes_per_token == bytes_per_token(7168, options.layout(), "bf16", num_aux=5)
 
 
 def test_workers_lost_after_their_heartbeats_age(redis):
