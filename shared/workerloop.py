@@ -8,10 +8,11 @@ the worker's status to Redis and lets the service do its own part of each beat, 
 workers among it: there, not between jobs, since a busy worker's RQ loop may not come back for a thousand jobs.
 
 A job finds what its worker's service gives it (the extractor's ``Extractor``) with ``job_context``: the loop sets
-it while its RQ worker works, as RQ sets the current job.
+it while its RQ worker works, as RQ sets the current job; and its process's settings and clients with ``job_process``.
 """
 
 import argparse
+import functools
 import logging
 import os
 import shutil
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, ClassVar, TypeVar
 
 from redis import Redis
@@ -45,6 +47,7 @@ REDIS_BACKOFF_S = (1, 2, 5)
 T = TypeVar("T")
 
 _job_context: ContextVar[object] = ContextVar("eaglet_job_context")
+_job_process: ContextVar["WorkerProcess"] = ContextVar("eaglet_job_process")
 
 
 def job_context(kind: type[T]) -> T | None:
@@ -83,6 +86,30 @@ class WorkerProcess:
     rq_redis: Redis
     """RQ's pickled jobs: bytes."""
     status: WorkerStatus
+
+    @classmethod
+    def from_settings(cls, settings: Settings, name: str | None = None) -> "WorkerProcess":
+        # RQ stores pickled bytes; run state is text. Two clients on the same server.
+        return cls(
+            name=name or f"{settings.status_host}:{os.getpid()}",
+            instance=uuid.uuid4().hex[:12],
+            settings=settings,
+            redis=connect(settings.redis_url),
+            rq_redis=connect_raw(settings.redis_url),
+            status=WorkerStatus(),
+        )
+
+
+def job_process() -> WorkerProcess:
+    """The process running this job, with its settings and clients, for every job it runs. A job run outside the
+    worker loop (a plain ``rq worker``, a failure callback run by another process's registry cleanup) gets one built
+    from the environment, once a process."""
+    return _job_process.get(None) or _process_from_environment()
+
+
+@functools.cache
+def _process_from_environment() -> WorkerProcess:
+    return WorkerProcess.from_settings(Settings())
 
 
 class WorkerService:
@@ -124,9 +151,16 @@ class WorkerService:
 
 
 class _RQWorker(SimpleWorker):
-    """RQ's in-process worker, running each job inside its service's ``running``."""
+    """RQ's in-process worker, running each job inside its service's ``running``, and telling the loop of a warm stop
+    asked of it (its SIGTERM/SIGINT handler replaces the loop's while it works)."""
 
     service: WorkerService
+    stop_asked = False
+    """Not the loop's stop event: the heartbeat must go on until the job in hand is over."""
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_asked = True
+        super().request_stop(signum, frame)
 
     def execute_job(self, job: Job, queue: Queue) -> Any:
         with self.service.running(job):
@@ -202,7 +236,7 @@ def _work(process: WorkerProcess, service: WorkerService, stop: threading.Event,
             stop.wait(delay)
             continue
         process.status.set(WorkerState.idle)
-        if worker._stop_requested:  # RQ's own SIGTERM/SIGINT handler asked for a warm stop
+        if worker.stop_asked:
             break
         if not worked:
             if burst and not service.burst_waits:
@@ -220,16 +254,9 @@ def run_worker(
     args = parser.parse_args(argv)
     settings = Settings()
     setup_logging()
-    name = args.name or f"{settings.status_host}:{os.getpid()}"
-    # RQ stores pickled bytes; run state is text. Two clients on the same server.
-    process = WorkerProcess(
-        name=name,
-        instance=uuid.uuid4().hex[:12],
-        settings=settings,
-        redis=connect(settings.redis_url),
-        rq_redis=connect_raw(settings.redis_url),
-        status=WorkerStatus(),
-    )
+    process = WorkerProcess.from_settings(settings, args.name)
+    name = process.name
+    _job_process.set(process)  # SimpleWorker runs its jobs in this thread
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # the heartbeat reports its free space from the start
     service = service_class(process)
     stop = threading.Event()

@@ -7,8 +7,6 @@ environment on its first job.
 
 import functools
 import logging
-import os
-import socket
 import time
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -16,11 +14,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.exceptions import AbandonedJobError
 
 from eaglet.services.extractor.extract import Extractor
-from eaglet.shared.config import Settings
-from eaglet.shared.connections import connect
 from eaglet.shared.keys import RunKeys
 from eaglet.shared.runstate import RunState
-from eaglet.shared.workerloop import job_context
+from eaglet.shared.workerloop import job_context, job_process
 
 log = logging.getLogger(__name__)
 REDIS_BACKOFF_S = (1, 2, 5, 10)
@@ -56,7 +52,7 @@ def on_extract_failure(job, connection, exc_type, exc_value, traceback) -> None:
     which queues it again (services/extractor/reaper.py)."""
     run_id, index = job.args
     extractor = job_context(Extractor)  # none where another process's cleanup found the job abandoned
-    redis = extractor.redis if extractor else connect(Settings().redis_url)
+    redis = extractor.redis if extractor else job_process().redis
     if exc_type is AbandonedJobError:
         log.warning("run %s sample %s: RQ found job %s abandoned by %s", run_id, index, job.id, job.worker_name)
         RunState(redis, run_id).end_attempt(int(index))
@@ -69,7 +65,5 @@ def on_extract_failure(job, connection, exc_type, exc_value, traceback) -> None:
 @functools.cache
 def _from_environment() -> Extractor:
     """The extractor of a process that runs these jobs outside the worker loop: one, from its environment."""
-    settings = Settings()
-    return Extractor.from_settings(
-        settings, connect(settings.redis_url), worker=f"{socket.gethostname()}:{os.getpid()}"
-    )
+    process = job_process()
+    return Extractor.from_settings(process.settings, process.redis, worker=process.name)

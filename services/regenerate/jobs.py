@@ -25,13 +25,13 @@ from eaglet.services.regenerate.conversations import Prompt, parse_prompt, read_
 from eaglet.services.regenerate.results import ResultFile, assemble, batch_path, output_path
 from eaglet.shared.chatlines import BadLine
 from eaglet.shared.config import Settings
-from eaglet.shared.connections import connect, connect_raw
 from eaglet.shared.jobqueue import enqueue_batches, enqueue_ingest, owner_of
 from eaglet.shared.records import RunMeta, Stage
 from eaglet.shared.regeneration import Batch, Progress, requeue_batch
 from eaglet.shared.runoptions import RegenerateOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.target import resolve_model_dir, text_config
+from eaglet.shared.workerloop import job_process
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,9 @@ class NoRegenerationToPlan(ValueError):
 
 
 def plan_job(run_id: str) -> int:
-    """RQ job (control queue): ``plan_run`` with the worker's settings."""
-    settings = Settings()
-    return plan_run(connect(settings.redis_url), connect_raw(settings.redis_url),
-                    run_id)  # fmt: skip
+    """RQ job (control queue): ``plan_run`` with the worker's clients."""
+    process = job_process()
+    return plan_run(process.redis, process.rq_redis, run_id)
 
 
 def plan_run(redis: Redis, rq_redis: Redis, run_id: str) -> int:
@@ -96,8 +95,8 @@ def cut_batches(path: Path, size: int) -> tuple[list[Batch], int]:
 def regenerate_batch(run_id: str, batch: int, give_up: str = "") -> str:
     """RQ job (the run's queue): regenerates the prompts of ``batch`` that have no result yet. With ``give_up``, asks
     nothing and records them as failed with that reason (their batch killed its worker too often)."""
-    settings = Settings()
-    redis = connect(settings.redis_url)
+    process = job_process()
+    settings, redis = process.settings, process.redis
     state = RunState(redis, run_id)
     meta = state.meta()
     if meta.stage != Stage.regenerating:
@@ -123,7 +122,7 @@ def regenerate_batch(run_id: str, batch: int, give_up: str = "") -> str:
     if state.stage() != Stage.regenerating:
         return f"run {run_id} left regeneration: batch {batch} stopped"
     runner.progress.finish_batch(batch)
-    finish_if_complete(redis, connect_raw(settings.redis_url), settings.data_dir, state, options)
+    finish_if_complete(redis, process.rq_redis, settings.data_dir, state, options)
     return f"batch {batch}: {len(todo)} prompts regenerated or given up, {len(written)} found done"
 
 
@@ -131,15 +130,15 @@ def on_batch_failure(job, connection, exc_type, exc_value, traceback) -> None:
     """A batch job that raised (a bug, a full disk, Redis gone for too long) or that RQ found abandoned: queued again,
     its finished prompts kept, until it has failed ``max_attempts`` times; then its unfinished prompts are failed."""
     run_id, batch, give_up = job.args
-    settings = Settings()
-    redis = connect(settings.redis_url)
+    process = job_process()  # RQ's ``connection`` is its bytes client; run state is text
+    redis = process.redis
     if give_up:
         RunState(redis, run_id).record_error(-1, "", f"batch {batch}: could not record its prompts as given up: "
                                              f"{exc_type.__name__}: {exc_value}", job.worker_name or "")  # fmt: skip
         return
     why = "its worker died" if exc_type is AbandonedJobError else f"its job crashed: {exc_type.__name__}: {exc_value}"
     RunState(redis, run_id).record_error(-1, "", f"regeneration batch {batch}: {why}", job.worker_name or "")
-    requeue_batch(redis, connect_raw(settings.redis_url), run_id, batch, why, settings.max_attempts)
+    requeue_batch(redis, connection, run_id, batch, why, process.settings.max_attempts)
 
 
 def finish_if_complete(redis: Redis, rq_redis: Redis, data_dir: Path, state: RunState, opts: RegenerateOptions) -> bool:
