@@ -54,6 +54,15 @@ def test_start_run_queues_the_ingest(gateway, redis, queue_redis, dataset):
     assert again.status_code == 409
 
 
+def test_a_dflash_run_names_its_layers(gateway, redis, dataset):
+    options = {"method": "dflash", "aux_layer_ids": [1, 9, 17, 25]}
+    r = gateway.client(TOKEN).post("/runs", json={"run_id": "d1", "dataset": str(dataset), "options": options})
+    assert r.status_code == 202, r.text
+    assert RunState(redis, "d1").meta().options == RunOptions(method="dflash", aux_layer_ids=[1, 9, 17, 25])
+    three = gateway.client(TOKEN).post("/runs", json={"dataset": str(dataset), "options": {"aux_layer_ids": [1, 9]}})
+    assert three.status_code == 422 and "give 3 layer ids, not 2" in three.text  # EAGLE-3 reads three
+
+
 def test_start_run_generates_an_id(gateway, dataset):
     r = gateway.client(TOKEN).post("/runs", json={"dataset": str(dataset)})
     assert r.status_code == 202 and r.json()["run_id"].startswith("run-")
@@ -69,6 +78,8 @@ def test_start_run_generates_an_id(gateway, dataset):
         ({"dataset": "DATASET", "options": {"max_tokens": 1}}, "max_tokens"),
         ({"dataset": "DATASET", "options": {"max_tokens": "many"}}, "max_tokens"),
         ({"dataset": "DATASET", "options": {"limit": 0}}, "limit"),
+        ({"dataset": "DATASET", "options": {"method": "medusa"}}, "method"),
+        ({"dataset": "DATASET", "options": {"aux_layer_ids": "1,9"}}, "aux_layer_ids"),
         ({"dataset": "DATASET", "options": {"max_tokens": 512, "temperature": 1}}, "temperature"),
         ({"dataset": "DATASET", "priority": 1}, "priority"),
         ({"dataset": "/etc/passwd"}, "dataset"),
