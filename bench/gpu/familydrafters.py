@@ -232,8 +232,9 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown or not TP 1 cases {unknown}: choose from {', '.join(tp1_cases())}", file=sys.stderr)
         return 2
+    from bench.gpu import h2heval as HH  # SGLang's decode figures
+    from bench.gpu import h2htrain  # the trainers' runner
     from bench.gpu import harness as H
-    from bench.gpu import headtohead as HH  # the trainers' runner and SGLang's decode figures
 
     out = Path(os.environ.get("OUT") or H.OUT)
     out.mkdir(parents=True, exist_ok=True)
@@ -265,7 +266,7 @@ def main(argv: list[str]) -> int:
         H.log(f"familydrafters: training {len(jobs)} drafters together")
         (H.ROOT / "fam-drafters").mkdir(parents=True, exist_ok=True)  # their probes beside them
         env = {"EAGLET_DATA_DIR": str(H.DATA), "OMP_NUM_THREADS": "2"}  # the trainers read the store, not Redis
-        HH.run_trainers(jobs, H.PY_EAGLET, env, DEADLINE_S - (time.time() - T0) - 60, H.ROOT / "fam-drafters")
+        h2htrain.run_trainers(jobs, H.PY_EAGLET, env, DEADLINE_S - (time.time() - T0) - 60, H.ROOT / "fam-drafters")
 
     trained = [c for c, R in results["cases"].items() if "skipped" not in R]
     for case in trained:

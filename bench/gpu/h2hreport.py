@@ -2,7 +2,7 @@
 the table of both drafters x both chains x both prompt sets (accept length, output tokens/s, with the plain
 target's tokens/s beside) and both trainers (tokens/s, peak memory, wall time), with the ratios.
 
-    python bench/gpu/h2hreport.py GPU_OUT_DIR results [OTHER_CALLS_h2h-eval.json ...]
+    python -m bench.gpu.h2hreport GPU_OUT_DIR results [OTHER_CALLS_h2h-eval.json ...]
                                                               (writes gpu-headtohead.md and .json)
 """
 

@@ -16,8 +16,9 @@ import json
 import shutil
 import sys
 
+from bench.gpu import h2h as H
+from bench.gpu import h2hdata, headtohead
 from bench.gpu import harness as P
-from bench.gpu import headtohead as H
 from eaglet.shared.target import make_tiny_llama, resolve_model_dir
 
 
@@ -53,7 +54,7 @@ def data() -> None:
             c = json.loads(line)
             f.write(json.dumps({"id": c["id"], "prompt": c["messages"][0]["content"]}) + "\n")
     R = P.RESULTS.setdefault("h2h-data", {})
-    R["regenerate"] = H.regenerate(H.H2H / "prompts.jsonl", H.H2H / "train.jsonl")
+    R["regenerate"] = h2hdata.regenerate(H.H2H / "prompts.jsonl", H.H2H / "train.jsonl")
     convs = [json.loads(line) for line in open(H.H2H / "train.jsonl")]
     R.update(conversations=len(convs), multi_turn=sum(1 for c in convs if len(c["messages"]) > 2), done=True)
 
@@ -83,4 +84,4 @@ if __name__ == "__main__":
     state.write_text(json.dumps(P.RESULTS, default=str))
     from bench.gpu import phases
 
-    raise SystemExit(P.main({**phases.PHASES, **H.PHASES}, {**phases.ESTIMATE_S, **H.ESTIMATE_S}))
+    raise SystemExit(P.main({**phases.PHASES, **headtohead.PHASES}, {**phases.ESTIMATE_S, **headtohead.ESTIMATE_S}))

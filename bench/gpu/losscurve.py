@@ -3,7 +3,7 @@
 
     GPUBENCH_SCRIPT=losscurve.py bash bench/gpu/run.sh "" losscurve losscurve-b           (bench/gpu/README.md)
 
-Phases (through phases.py's runner; results in $OUT/<phase>.json):
+Phases (through harness.py's runner; results in $OUT/<phase>.json):
   losscurve     LOSSCURVE_STEPS (40) optimizer steps of the real trainer (``train()`` with its loader) with the
                 trainer flags LOSSCURVE_FLAGS, on a synthetic run of LOSSCURVE_SHAPE (smol) written as trainspeed.py
                 writes its rows' runs: LOSSCURVE_SAMPLES (16) samples of exactly LOSSCURVE_T (2048) tokens, the

@@ -50,7 +50,7 @@ from safetensors.torch import save_file
 
 from bench.gpu import harness as P
 from bench.gpu import mkmodel
-from bench.gpu.headtohead import time_left
+from bench.gpu.h2h import time_left
 from bench.gpu.trainshapes import KIMI, TEXT
 from eaglet.services.trainer import train as trainer
 from eaglet.services.trainer.compiled import compile_on

@@ -18,6 +18,13 @@ def load_phases(tmp_path, monkeypatch):
     return importlib.reload(harness)  # its folders follow the environment at import
 
 
+def load_h2h(family: str):
+    """The head-to-head's settings and one of its phase families, imported afresh: their folders follow the
+    harness's."""
+    h2h = importlib.reload(importlib.import_module("bench.gpu.h2h"))
+    return h2h, importlib.reload(importlib.import_module(f"bench.gpu.{family}"))
+
+
 def test_a_phase_run_again_starts_from_a_clean_record(tmp_path, monkeypatch):
     P = load_phases(tmp_path, monkeypatch)
     state = P.ROOT / "gpubench-results.json"
@@ -49,27 +56,23 @@ def test_a_phase_whose_estimate_passes_the_deadline_is_skipped(tmp_path, monkeyp
 
 
 def test_the_kept_conversations_are_the_data_phase(tmp_path, monkeypatch):
-    load_phases(tmp_path, monkeypatch)
-    from bench.gpu import headtohead
-
-    H = importlib.reload(headtohead)  # its folders follow the phases module's
-    H.phase_data()
-    R = H.P.RESULTS["h2h-data"]
+    P = load_phases(tmp_path, monkeypatch)
+    h2h, D = load_h2h("h2hdata")
+    D.phase_data()
+    R = P.RESULTS["h2h-data"]
     assert R["done"] and R["source"] == "data/h2h" and R["conversations"] == 4004
-    train = (H.H2H / "train.jsonl").read_text().splitlines()
-    held = (H.H2H / "heldout.jsonl").read_text().splitlines()
+    train = (h2h.H2H / "train.jsonl").read_text().splitlines()
+    held = (h2h.H2H / "heldout.jsonl").read_text().splitlines()
     assert len(train) == R["conversations"] and len(held) == R["heldout_prompts"]
     first = json.loads(train[0])
     assert [m["role"] for m in first["messages"]][:2] == ["user", "assistant"] and json.loads(held[0])["prompt"]
     monkeypatch.setenv("H2H_NEW_DATA", "1")
-    assert not H.kept_data()  # new data asked for: the phase writes it with the target
+    assert not D.kept_data()  # new data asked for: the phase writes it with the target
 
 
 def test_a_recipe_from_another_recipes_drafter_waits_for_that_one(tmp_path, monkeypatch):
     load_phases(tmp_path, monkeypatch)
-    from bench.gpu import headtohead
-
-    H = importlib.reload(headtohead)
+    _, H = load_h2h("h2hablate")
     monkeypatch.setenv("H2H_ABLATIONS", "base=;round=--onpolicy-from @base --epochs 1")
     flags = "--onpolicy-from @base --epochs 1"
     assert H.drafter_flags(flags, {}) == ([], "starts from recipe base's drafter: trained once base is")
@@ -95,9 +98,7 @@ def test_trainers_cut_off_by_the_deadline_are_stopped_together_and_waited_for(tm
     """At the call's end every trainer still running gets SIGTERM at once and the grace to write its checkpoint;
     one that ignores it is killed when the grace is over, and each record says how it ended."""
     P = load_phases(tmp_path, monkeypatch)
-    from bench.gpu import headtohead
-
-    H = importlib.reload(headtohead)
+    _, H = load_h2h("h2htrain")
     P.LOGS.mkdir(parents=True, exist_ok=True)
     monkeypatch.setattr(H, "STOP_GRACE_S", 3)
     monkeypatch.setenv("GPUBENCH_DEADLINE_S", "1e9")
