@@ -2,7 +2,7 @@
 
     GPUBENCH_SCRIPT=trainspeed.py bash bench/gpu/run.sh PARTS trainspeed [trainspeed-b]     (bench/gpu/README.md)
 
-Phases (through phases.py's runner: deadlines, results in $OUT/<phase>.json):
+Phases (through harness.py's runner: deadlines, results in $OUT/<phase>.json):
   trainspeed    every shape of TRAINSPEED_SHAPES (kimi,l8b,smol) at every length of TRAINSPEED_LENGTHS, with the
                 trainer options TRAINSPEED_FLAGS (the trainer's own flags, e.g. "--loss-chunk 0")
   trainspeed-b  the same rows with TRAINSPEED_FLAGS_B: a change measured against the first in the same call
