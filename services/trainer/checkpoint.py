@@ -46,6 +46,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eaglet.services.trainer.dflash import DFlashConfig, DFlashDrafter
 from eaglet.services.trainer.model import Drafter, DrafterConfig, rope_theta
 from eaglet.shared.layers import sglang_arg_ids
 from eaglet.shared.targettensors import tensor_files
@@ -112,11 +113,86 @@ def save_drafter(
     out_dir: Path, model: Drafter, target_config: dict, aux_layer_ids: list[int], dtype: torch.dtype
 ) -> Path:
     """Writes config.json + model.safetensors into ``out_dir`` (replaced whole, through a temp folder)."""
-    out_dir = Path(out_dir)
+    config = drafter_hf_config(model.cfg, target_config, aux_layer_ids, dtype)
+    return write_folder(Path(out_dir), drafter_tensors(model, dtype), config)
+
+
+# ---- the DFlash drafter as SGLang loads it (models/dflash.py, DFlashDraftModel) --------------------------------
+
+
+def dflash_hf_config(cfg: DFlashConfig, target_config: dict, dtype: torch.dtype) -> dict:
+    """config.json of a DFlash drafter: a Qwen3 config of ``num_hidden_layers`` layers (per-head q/k norms) whose
+    ``dflash_config`` names the target layers to capture, the block and the mask token. No ``layer_types``
+    beyond full attention and no ``is_causal``: SGLang then runs the block non-causally, as it was trained."""
+    text = target_config.get("text_config", target_config)
+    keep = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        **{k: text[k] for k in keep if k in text},
+        "rope_theta": cfg.rope_theta,  # plain RoPE, never the target's scaling (as the EAGLE-3 drafter's)
+        "rope_scaling": None,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {
+            "target_layer_ids": list(cfg.target_layer_ids),  # layer outputs; SGLang captures the input of id + 1
+            "block_size": cfg.block_size,
+            "mask_token_id": cfg.mask_token_id,
+        },
+        "eaglet": {"method": "dflash", "drafter_config": cfg.to_dict()},
+    }
+
+
+def save_dflash(out_dir: Path, model: DFlashDrafter, target_config: dict, dtype: torch.dtype) -> Path:
+    """Writes a DFlash drafter's config.json + model.safetensors into ``out_dir`` (replaced whole)."""
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    return write_folder(Path(out_dir), tensors, dflash_hf_config(model.cfg, target_config, dtype))
+
+
+def load_dflash(drafter_dir: Path, embed: torch.Tensor) -> DFlashDrafter:
+    """Rebuilds a DFlash drafter that eaglet wrote from its own config.json and weights; CheckpointError names the
+    folder and what is missing or misshapen."""
+    folder = Path(drafter_dir)
+    config = json.loads((folder / "config.json").read_text())
+    shape = (config.get("eaglet") or {}).get("drafter_config")
+    if shape is None:
+        raise CheckpointError(f"{folder}: config.json has no eaglet.drafter_config: not a DFlash drafter eaglet wrote")
+    model = DFlashDrafter(DFlashConfig(**shape), embed)
+    state = _drafter_state(folder)
+    want = model.state_dict()
+    for key, value in want.items():
+        if key not in state or tuple(state[key].shape) != tuple(value.shape):
+            got = tuple(state[key].shape) if key in state else "missing"
+            raise CheckpointError(f"{folder}: tensor {key}: {got}, expected {tuple(value.shape)}")
+    model.load_state_dict({k: state[k].float() for k in want})
+    return model
+
+
+def is_dflash(drafter_dir: Path) -> bool:
+    """True when the folder holds a DFlash drafter (SGLang's ``DFlashDraftModel``)."""
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    return "DFlashDraftModel" in (config.get("architectures") or [])
+
+
+def write_folder(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """config.json + model.safetensors into ``out_dir``, replaced whole through a temp folder: an engine reading it
+    meanwhile sees the old drafter or the new one, never half of each."""
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file(drafter_tensors(model, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = drafter_hf_config(model.cfg, target_config, aux_layer_ids, dtype)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     old = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.old")
     if out_dir.exists():

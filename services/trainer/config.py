@@ -12,6 +12,7 @@ Compile = Literal["auto", "on", "off"]
 Loss = Literal["kl", "lk-alpha", "lk-lambda"]
 LossMaskAlign = Literal["predicted", "position"]
 TopkTail = Literal["bucket", "uniform"]
+Method = Literal["auto", "eagle3", "dflash"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -19,6 +20,20 @@ class TrainConfig:
     """The trainer's options. Each field is a flag of ``eaglet.services.trainer.main`` (``ttt_steps``:
     ``--ttt-steps``), its docstring the flag's help."""
 
+    method: Method = "auto"
+    """eagle3: an EAGLE-3 drafter (a chain, one layer) | dflash: a DFlash drafter (a block drafted in one pass,
+    ``dflash_layers`` layers, on every layer the run captured) | auto: the run's own method (``--method`` at
+    ingest), eagle3 for a run that names none."""
+    dflash_layers: int = 5
+    """A DFlash drafter's layers (the published DFlash drafters': 5)."""
+    block_size: int = 16
+    """A DFlash drafter's block: the verified token and block_size - 1 drafted ones (SGLang drafts and verifies
+    the whole block)."""
+    dflash_anchors: int = 512
+    """Most blocks trained per batch (each block_size tokens through the drafter), drawn among the loss positions."""
+    dflash_decay: float = 7.0
+    """A DFlash block position j's loss weight is exp(-(j - 1) / dflash_decay) (the DFlash paper's 7 for blocks of
+    16); 0: all weighted 1."""
     ttt_steps: int = 7
     """Unrolled training-time-test steps; the drafter is trained to draft this many tokens in a chain."""
     step_weight: float = 0.8
@@ -143,7 +158,7 @@ class TrainConfig:
     def __post_init__(self):
         for name in (
             "ttt_steps", "draft_vocab_size", "tokens_per_batch", "max_len", "checkpoint_every", "keep_checkpoints",
-            "log_every",
+            "log_every", "dflash_layers", "dflash_anchors",
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be at least 1, got {getattr(self, name)}")
@@ -166,6 +181,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.onpolicy_weight must be above 0, got {self.onpolicy_weight}")
         if not 0 <= self.max_unreadable <= 1:
             raise ValueError(f"TrainConfig.max_unreadable must be in [0, 1], got {self.max_unreadable}")
+        if self.block_size < 2:
+            raise ValueError(f"TrainConfig.block_size must be at least 2 (one drafted token), got {self.block_size}")
+        if self.dflash_decay < 0:
+            raise ValueError(f"TrainConfig.dflash_decay must be 0 (no decay) or more, got {self.dflash_decay}")
         if self.aux_noise < 0:
             raise ValueError(f"TrainConfig.aux_noise must be 0 (off) or more, got {self.aux_noise}")
         if self.loader_workers < 0:
@@ -174,7 +193,7 @@ class TrainConfig:
             )
         for name, choices in (
             ("attention", Attention), ("oov_mask", OovMask), ("compile", Compile), ("loss", Loss),
-            ("loss_mask_align", LossMaskAlign), ("optimizer", Optimizer), ("topk_tail", TopkTail),
+            ("loss_mask_align", LossMaskAlign), ("optimizer", Optimizer), ("topk_tail", TopkTail), ("method", Method),
         ):  # fmt: skip
             if getattr(self, name) not in get_args(choices):
                 raise ValueError(

@@ -125,9 +125,9 @@ class BatchSet(Dataset):
     """Batches as dataset items, so a DataLoader's workers read and pack the next ones ahead of the step."""
 
     def __init__(self, batches: list[list[Item]], data_dir: Path, run_id: str, dtype: torch.dtype, max_len: int,
-                 steps: int, align: LossMaskAlign = "predicted"):  # fmt: skip
+                 steps: int, align: LossMaskAlign = "predicted", blocks: "BlockRule | None" = None):  # fmt: skip
         self.batches, self.data_dir, self.run_id, self.dtype = batches, data_dir, run_id, dtype
-        self.max_len, self.steps, self.align = max_len, steps, align
+        self.max_len, self.steps, self.align, self.blocks = max_len, steps, align, blocks
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -143,6 +143,8 @@ class BatchSet(Dataset):
             except StoreError as e:
                 unreadable.append(Unreadable(it.index, it.sample_id, str(path), str(e)))
         batch = collate(samples, self.max_len, self.steps, self.align) if samples else {}
+        if samples and self.blocks is not None:  # a DFlash batch: its blocks' anchors, drawn by the batch's index
+            batch["anchors"], batch["labels"] = self.blocks.rows(batch, seed=i)
         batch["unreadable"] = tuple(unreadable)
         return batch
 
@@ -168,7 +170,8 @@ def collate(
     out["position_ids"] = (torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths))[None]
     out["document_ids"] = torch.arange(len(cut), dtype=torch.int32).repeat_interleave(lengths)[None]
     out["tokens"] = lengths.sum()
-    out["loss_rows"], out["loss_row_counts"] = ttt_rows(out["loss_mask"], out["document_ids"], steps, align)
+    if steps > 0:  # 0: a DFlash batch, whose rows are its blocks' (BlockRule)
+        out["loss_rows"], out["loss_row_counts"] = ttt_rows(out["loss_mask"], out["document_ids"], steps, align)
     return out
 
 
@@ -197,6 +200,35 @@ def ttt_rows(
             keep = keep & (documents[:, :n] == documents[:, reach + i : reach + i + n])
         rows.append(flat[:, :n][keep])
     return torch.cat(rows), tuple(len(r) for r in rows)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRule:
+    """Where a DFlash batch's blocks start: ``block_size`` tokens a block, at most ``max_anchors`` blocks a batch."""
+
+    block_size: int
+    max_anchors: int
+
+    def rows(self, batch: Batch, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anchors [A]: flat positions p of a packed row whose block is trained, rising; labels [A, block_size -
+        1] bool: block index j predicts token p + j and is a loss position). An anchor has context (a token of its
+        document before it) and its first predicted token p + 1 is a loss position of its document; block index j
+        counts where p + j is in the document and a loss position. At most ``max_anchors``, drawn at random by
+        ``seed`` among those that qualify: worked out on the host, so the step never waits on the GPU to find
+        them."""
+        mask, docs, pos = batch["loss_mask"][0].bool(), batch["document_ids"][0], batch["position_ids"][0]
+        T, bs = len(mask), self.block_size
+        p = torch.arange(max(T - 1, 0))
+        ok = (pos[:-1] >= 1) & (docs[:-1] == docs[1:]) & mask[1:]
+        anchors = p[ok]
+        if len(anchors) > self.max_anchors:
+            g = torch.Generator().manual_seed(seed)
+            anchors = anchors[torch.randperm(len(anchors), generator=g)[: self.max_anchors]].sort().values
+        at = anchors[:, None] + torch.arange(1, bs)  # [A, bs - 1]
+        inside = at < T
+        at = at.clamp(max=T - 1)
+        labels = inside & (docs[at] == docs[anchors][:, None]) & mask[at]
+        return anchors, labels
 
 
 def loader(batch_set: BatchSet, start: int, loader_workers: int, pin: bool = False) -> DataLoader:

@@ -21,8 +21,10 @@ import torch
 from redis import Redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eaglet.services.trainer.checkpoint import load_drafter
-from eaglet.services.trainer.speculative import SpecStats, greedy_generate, speculative_generate
+from eaglet.services.trainer.checkpoint import is_dflash, load_dflash, load_drafter
+from eaglet.services.trainer.dflash import DFlashDrafter
+from eaglet.services.trainer.model import Drafter
+from eaglet.services.trainer.speculative import SpecStats, dflash_generate, greedy_generate, speculative_generate
 from eaglet.shared.config import Settings
 from eaglet.shared.connections import connect
 from eaglet.shared.logs import setup_logging
@@ -101,7 +103,10 @@ def run_eval(
         t0 = time.perf_counter()
         ref = greedy_generate(target, x, max_new_tokens, eos)
         t1 = time.perf_counter()
-        got, stats = speculative_generate(target, drafter, x, max_new_tokens, k, layer_ids, eos)
+        if isinstance(drafter, DFlashDrafter):
+            got, stats = dflash_generate(target, drafter, x, max_new_tokens, eos)
+        else:
+            got, stats = speculative_generate(target, drafter, x, max_new_tokens, k, layer_ids, eos)
         t2 = time.perf_counter()
         target_s, spec_s = target_s + t1 - t0, spec_s + t2 - t1
         new_tokens += len(ref)
@@ -133,11 +138,16 @@ def evaluate_run(
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
     folder = Path(drafter_path or drafter_dir(data_dir, run_id))
-    config = json.loads((folder / "config.json").read_text())
-    layer_ids = config["eagle_aux_hidden_state_layer_ids"]  # input of layer i = transformers' hidden_states[i]
     embed = target.get_input_embeddings().weight.detach()
-    # the drafter's own plain RoPE, from its config, as the engines run it
-    drafter = load_drafter(folder, embed.float()).to(device, dtype).eval()
+    drafter: Drafter | DFlashDrafter
+    if is_dflash(folder):  # a block a round: every drafted position is verified, whatever k says
+        drafter = load_dflash(folder, embed.float()).to(device, dtype).eval()
+        layer_ids, k = [i + 1 for i in drafter.cfg.target_layer_ids], drafter.cfg.block_size - 1
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        layer_ids = config["eagle_aux_hidden_state_layer_ids"]  # input of layer i = transformers' hidden_states[i]
+        # the drafter's own plain RoPE, from its config, as the engines run it
+        drafter = load_drafter(folder, embed.float()).to(device, dtype).eval()
     ids = load_prompts(prompts, tokenizer, num_prompts)
     state = RunState(redis, run_id) if redis is not None else None
 

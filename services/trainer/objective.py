@@ -10,6 +10,7 @@ from torch import nn
 
 from eaglet.services.trainer import data
 from eaglet.services.trainer.config import TrainConfig
+from eaglet.services.trainer.dflash_objective import DFlashObjective
 from eaglet.services.trainer.model import Drafter, wide
 from eaglet.services.trainer.onpolicy import ChainReplay
 from eaglet.services.trainer.topk import draft_index, topk_terms
@@ -40,6 +41,19 @@ class TTTObjective(nn.Module):
     def set_vocab(self, draft_ids: torch.Tensor) -> None:
         self.draft_ids.copy_(draft_ids)
         self.drafter.set_vocab(draft_ids)
+
+    @property
+    def positions(self) -> int:
+        """Figures per draft position: the unrolled steps."""
+        return self.cfg.ttt_steps
+
+    def batch_set(self, batches: list[list[data.Item]], data_dir: Path, run_id: str, dtype: torch.dtype,
+                  max_len: int) -> data.BatchSet:  # fmt: skip
+        return data.BatchSet(batches, data_dir, run_id, dtype, max_len, self.cfg.ttt_steps, self.cfg.loss_mask_align)
+
+    @staticmethod
+    def inputs(b: data.Batch) -> tuple:
+        return objective_inputs(b)
 
     def spans(self, n: int) -> list[tuple[int, int]]:
         """[lo, hi) chunks of ``n`` rows, ``cfg.loss_chunk`` at most each (one chunk when 0)."""
@@ -218,8 +232,9 @@ def objective_inputs(b: data.Batch) -> tuple:
 
 @torch.no_grad()
 def heldout_figures(
-    objective: TTTObjective, items: list[data.Item], *, data_dir: Path, run_id: str, tokens_per_batch: int,
-    max_len: int, device: torch.device, rank: int = 0, world: int = 1, unreadable: UnreadableSamples | None = None,
+    objective: "TTTObjective | DFlashObjective", items: list[data.Item], *, data_dir: Path, run_id: str,
+    tokens_per_batch: int, max_len: int, device: torch.device, rank: int = 0, world: int = 1,
+    unreadable: UnreadableSamples | None = None,
 ) -> dict:  # fmt: skip
     """The held-out figures of ``objective`` on ``items`` (a run's held-out split), the training's and any saved
     drafter's alike (``score``): the mean over the batches (fixed: seed 0, epoch 0) of the weighted TTT loss and of
@@ -232,9 +247,8 @@ def heldout_figures(
     batches = data.make_batches(items, tokens_per_batch, 0, 0)[rank::world]
     was_training = objective.training
     objective.eval()
-    sums = torch.zeros(objective.cfg.ttt_steps + 2, device=device)  # loss, accuracy per step, batches
-    batch_set = data.BatchSet(batches, data_dir, run_id, states_dtype(device), max_len, objective.cfg.ttt_steps,
-                              objective.cfg.loss_mask_align)  # fmt: skip
+    sums = torch.zeros(objective.positions + 2, device=device)  # loss, accuracy per position, batches
+    batch_set = objective.batch_set(batches, data_dir, run_id, states_dtype(device), max_len)
     for b in data.on_device(batch_set, device):
         if unreadable is not None:
             unreadable.note(b)
@@ -244,7 +258,7 @@ def heldout_figures(
         if data.is_empty(b):
             continue
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, _, acc = objective(*objective_inputs(b))
+            loss, _, acc = objective(*objective.inputs(b))
         sums += torch.cat([loss.float()[None], acc.float(), torch.ones(1, device=device)])
     objective.train(was_training)
     if world > 1:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from eaglet.services.trainer.dflash import DFlashDrafter
 from eaglet.services.trainer.model import Drafter, KVCache
 
 
@@ -97,5 +98,47 @@ def speculative_generate(
         dcache.crop(P)
         feats = drafter.fuse(aux_states(out.hidden_states, layer_ids)[:, : a + 1].to(dtype))
         h = drafter.decode(torch.tensor([new], device=device), feats, P, dcache)[:, -1:]
+        P += 1 + a
+    return _stop(emitted, max_new_tokens, eos), stats
+
+
+@torch.no_grad()
+def dflash_generate(
+    target, drafter: DFlashDrafter, input_ids: torch.Tensor, max_new_tokens: int, eos: set[int]
+) -> tuple[list[int], SpecStats]:
+    """input_ids [1, n] -> (new tokens, stats), drafting a DFlash block a round as SGLang's DFlash worker does: the
+    last emitted token and block_size - 1 mask tokens in one drafter pass over the context of every token before
+    it, then one target pass verifying the whole block. The drafter's context cache holds the ``P`` tokens that
+    have target states; the last emitted token is the block's first."""
+    device = input_ids.device
+    dtype = drafter.fc.weight.dtype
+    layers = [i + 1 for i in drafter.cfg.target_layer_ids]  # outputs of layer i = transformers' hidden_states[i + 1]
+    head = target.get_output_embeddings().weight.to(dtype)  # [V, H]
+    bs = drafter.cfg.block_size
+    stats = SpecStats(bs - 1)
+    cache = DynamicCache()
+    out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=True)
+    emitted = [int(out.logits[0, -1].argmax())]
+    P = input_ids.shape[1]
+    context = drafter.context_kv(aux_states(out.hidden_states, layers).to(dtype), torch.arange(P, device=device)[None])
+    while not _done(emitted, max_new_tokens, eos):
+        block = drafter.block_ids(torch.tensor([emitted[-1]], device=device))
+        h = drafter(block, torch.arange(P, P + bs, device=device)[None], context)
+        drafts = (h[0, 1:] @ head.T).argmax(-1).tolist()  # [bs - 1]: block index j guesses the token at P + j
+        out = target(torch.tensor([[emitted[-1], *drafts]], device=device), cache=cache, use_cache=True,
+                     output_hidden_states=True)  # fmt: skip
+        preds = out.logits[0].argmax(-1).tolist()  # [bs]
+        a = 0
+        while a < bs - 1 and drafts[a] == preds[a]:
+            a += 1
+        stats.accepted.append(a)
+        stats.rounds += 1
+        emitted.extend(drafts[:a] + [preds[a]])
+        cache.crop(P + 1 + a - cache.get_seq_length())  # keep the verified tokens: the block's first and a drafts
+        fresh = drafter.context_kv(aux_states(out.hidden_states, layers)[:, : a + 1].to(dtype),
+                                   torch.arange(P, P + 1 + a, device=device)[None])  # fmt: skip
+        context = [
+            (torch.cat([k, k2], 2), torch.cat([v, v2], 2)) for (k, v), (k2, v2) in zip(context, fresh, strict=True)
+        ]
         P += 1 + a
     return _stop(emitted, max_new_tokens, eos), stats

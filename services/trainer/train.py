@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from redis import Redis
@@ -40,12 +41,13 @@ from eaglet.services.trainer import data, memory, onpolicy
 from eaglet.services.trainer.compiled import compile_objective, compile_on
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.curves import curves_dir
+from eaglet.services.trainer.dflash import DFlashConfig, DFlashDrafter
+from eaglet.services.trainer.dflash_objective import DFlashObjective
 from eaglet.services.trainer.distributed import Dist, distribute, everywhere
-from eaglet.services.trainer.model import Drafter, DrafterConfig, drafter_config
+from eaglet.services.trainer.model import Drafter, DrafterConfig, attention_shape, drafter_config, rope_theta
 from eaglet.services.trainer.objective import (
     TTTObjective,
     heldout_figures,
-    objective_inputs,
     objective_options,
     place,
     states_dtype,
@@ -87,6 +89,35 @@ def build_drafter(
             model.lm_head.weight.copy_(tensors["lm_head"][draft_ids].float())
             model.norm.weight.copy_(tensors["norm"].float())
     return model, tensors["lm_head"].float()
+
+
+def build_dflash(
+    target_dir: Path, cfg: TrainConfig, layers: list[int], mask_token_id: int, shape: DFlashConfig | None = None
+) -> tuple[DFlashDrafter, torch.Tensor]:
+    """A fresh DFlash drafter of ``cfg.dflash_layers`` layers shaped after the target (its attention shape, as the
+    EAGLE-3 drafter's) reading the states of every captured layer in ``layers``, or as ``shape`` says (a resumed
+    run's), and the target's LM head [V, H]: the drafter's own."""
+    tcfg = model_config(target_dir)
+    text = tcfg.get("text_config", tcfg)
+    tensors = load_target_tensors(target_dir)
+    if shape is None:
+        heads, kv, head_dim = attention_shape(text, cfg.draft_head_dim, cfg.draft_kv_heads)
+        shape = DFlashConfig(
+            hidden_size=text["hidden_size"], intermediate_size=text["intermediate_size"],
+            num_hidden_layers=cfg.dflash_layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+            vocab_size=tensors["embed"].shape[0], num_target_layers=text["num_hidden_layers"],
+            target_layer_ids=[i - 1 for i in layers],  # eaglet's ids are layer inputs; DFlash's, layer outputs
+            block_size=cfg.block_size, mask_token_id=mask_token_id, rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta(text), max_position_embeddings=text.get("max_position_embeddings", 4096),
+        )  # fmt: skip
+    return DFlashDrafter(shape, tensors["embed"].float()), tensors["lm_head"].float()
+
+
+def run_method(cfg: TrainConfig, meta: RunMeta) -> str:
+    """The drafter method to train: the trainer's option, or for ``auto`` the run's own (eagle3 when it names none)."""
+    if cfg.method != "auto":
+        return cfg.method
+    return meta.options.method if meta.options is not None else "eagle3"
 
 
 def captured_layers(meta: RunMeta, data_dir: Path, run_id: str, items: list[data.Item]) -> list[int]:
@@ -139,7 +170,7 @@ class Session:
     held_items: list[data.Item]
     aux_layer_ids: list[int]  # the layers the stored states were captured at
     draft_ids: torch.Tensor  # [Vd] target ids of the draft vocabulary
-    objective: TTTObjective
+    objective: TTTObjective | DFlashObjective
     model: nn.Module  # the objective, wrapped in DDP across processes
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
@@ -208,15 +239,24 @@ def start(
         folder, curves, drafter_out = (f(data_dir, run_id) for f in (checkpoints_dir, curves_dir, drafter_dir))
     folder.mkdir(parents=True, exist_ok=True)
     saved = ckpt.load_latest_state(folder)
-    previous = previous_drafter(cfg, target_dir, layers)
-    if saved is not None:  # resumed: the checkpoint's vocabulary and shape
-        draft_ids, shape = saved["draft_ids"], DrafterConfig(**saved["drafter_config"])
-    elif previous is not None:  # an on-policy round: the previous drafter's
-        draft_ids, shape = previous.draft_to_target(torch.arange(previous.cfg.draft_vocab_size)), previous.cfg
+    method = run_method(cfg, meta)
+    was = saved.get("method", "eagle3") if saved is not None else method
+    if was != method:
+        raise ValueError(f"run {run_id}: its checkpoints in {folder} are of a {was} drafter, resumed as {method}: "
+                         f"resume with --method {was}, or train into a folder of its own")  # fmt: skip
+    objective: TTTObjective | DFlashObjective
+    if method == "dflash":
+        draft_ids, objective = dflash_objective(samples, train_items, target_dir, cfg, env, layers, saved)
     else:
-        draft_ids, shape = draft_vocab(samples, train_items, target_dir, cfg, env), None
-    objective = make_objective(target_dir, draft_ids, cfg, env, layers, shape, previous)
-    check_memory(objective, cfg, env, data.longest_row(train_items, cfg.tokens_per_batch, cfg.max_len))
+        previous = previous_drafter(cfg, target_dir, layers)
+        if saved is not None:  # resumed: the checkpoint's vocabulary and shape
+            draft_ids, shape = saved["draft_ids"], DrafterConfig(**saved["drafter_config"])
+        elif previous is not None:  # an on-policy round: the previous drafter's
+            draft_ids, shape = previous.draft_to_target(torch.arange(previous.cfg.draft_vocab_size)), previous.cfg
+        else:
+            draft_ids, shape = draft_vocab(samples, train_items, target_dir, cfg, env), None
+        objective = make_objective(target_dir, draft_ids, cfg, env, layers, shape, previous)
+        check_memory(objective, cfg, env, data.longest_row(train_items, cfg.tokens_per_batch, cfg.max_len))
     per_epoch = len(epoch_batches(train_items, cfg, env, 0))
     if per_epoch == 0:
         raise RuntimeError(f"run {run_id}: {len(train_items)} samples make no batch for {env.world} processes")
@@ -252,6 +292,61 @@ def draft_vocab(
     if env.world > 1:
         dist.broadcast_object_list(vocab, src=0)
     return vocab[0]
+
+
+def dflash_objective(
+    samples: SampleSet, items: list[data.Item], target_dir: Path, cfg: TrainConfig, env: Dist, layers: list[int],
+    saved: dict | None,
+) -> tuple[torch.Tensor, DFlashObjective]:  # fmt: skip
+    """(the whole target vocabulary [V], the DFlash objective around a fresh drafter or the checkpoint's)."""
+    shape = DFlashConfig(**saved["drafter_config"]) if saved is not None else None
+    mask_id = shape.mask_token_id if shape is not None else mask_token(samples, items, target_dir, env)
+    torch.manual_seed(cfg.seed)
+    drafter, target_head = build_dflash(target_dir, cfg, layers, mask_id, shape)
+    if cfg.compile != "off":
+        log.info("DFlash drafters train eager: --compile applies to EAGLE-3")
+    objective = DFlashObjective(drafter, target_head, cfg)
+    dtype = states_dtype(env.device)  # the frozen target tensors in the states' dtype, as the EAGLE-3 objective's
+    objective.target_head = objective.target_head.to(dtype)
+    drafter.embed_tokens = drafter.embed_tokens.to(dtype)
+    return torch.arange(drafter.cfg.vocab_size), objective.to(env.device)
+
+
+def mask_token(samples: SampleSet, items: list[data.Item], target_dir: Path, env: Dist) -> int:
+    """The token a DFlash block's drafted positions hold (the engine embeds it with the target's embedding, so it
+    must be a row of it): the tokenizer's own mask token when it has one, else the highest id that no training
+    sample holds, so no real token's embedding is read as "to be drafted". Rank 0 counts and sends the choice."""
+    choice = [0]
+    if env.main:
+        tcfg = model_config(target_dir)
+        vocab_size = int(tcfg.get("text_config", tcfg)["vocab_size"])
+        own = tokenizer_mask_id(target_dir)
+        if own is not None and own < vocab_size:
+            choice[0] = own
+        else:
+            rows = (samples[it.index].input_ids for it in items)
+            counts = count_tokens(((ids, np.ones(len(ids), dtype=bool)) for ids in rows), vocab_size)
+            unused = np.flatnonzero(counts == 0)
+            if len(unused) == 0:
+                raise RuntimeError("every token of the vocabulary occurs in the training split: no row of the "
+                                   "target's embedding is free to be DFlash's mask token")  # fmt: skip
+            choice[0] = int(unused[-1])
+    if env.world > 1:
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def tokenizer_mask_id(target_dir: Path) -> int | None:
+    """The target tokenizer's mask token id, when its tokenizer_config.json names one."""
+    path = Path(target_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    mask = config.get("mask_token")
+    for tid, added in (config.get("added_tokens_decoder") or {}).items():
+        if mask is not None and added.get("content") == mask:
+            return int(tid)
+    return None
 
 
 def previous_drafter(cfg: TrainConfig, target_dir: Path, layers: list[int]) -> Drafter | None:
@@ -340,8 +435,7 @@ def announce(s: Session, per_epoch: int) -> None:
 def train_epoch(s: Session, on_step: Callable[[Session, data.Batch], None] | None = None) -> None:
     """The rest of the current epoch, or of the training if it ends first; a checkpoint every ``checkpoint_every``."""
     batches = epoch_batches(s.train_items, s.cfg, s.env, s.epoch)
-    batch_set = data.BatchSet(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len, s.cfg.ttt_steps,
-                              s.cfg.loss_mask_align)  # fmt: skip
+    batch_set = s.objective.batch_set(batches, s.data_dir, s.run_id, s.dtype, s.cfg.max_len)
     cuda = s.env.device.type == "cuda"
     for batch in data.on_device(data.loader(batch_set, s.batch, s.cfg.loader_workers, pin=cuda), s.env.device):
         if s.step >= s.total:
@@ -373,7 +467,7 @@ def train_step(s: Session, b: data.Batch) -> None:
         s.model,
         s.objective.drafter,
         s.opt,
-        objective_inputs(b),
+        s.objective.inputs(b),
         s.cfg.grad_clip,
         bf16=env.device.type == "cuda",
         scale=env.world,
@@ -410,7 +504,7 @@ def read_figures(s: Session) -> None:
     if s.env.world > 1:
         dist.all_reduce(figures)
     norms = torch.stack([g for *_, g in s.pending]).tolist()  # the same on every process: not summed
-    k = s.cfg.ttt_steps
+    k = s.objective.positions
     for (step, lr, _, _), row, gnorm in zip(s.pending, figures.tolist(), norms, strict=True):
         total_loss, *per_step, tokens = row
         s.window_tokens += int(tokens)
@@ -470,10 +564,14 @@ def save(s: Session) -> Path:
         "model": drafter.state_dict(), "optimizer": s.opt.state_dict(), "scheduler": s.sched.state_dict(),
         "step": s.step, "epoch": s.epoch, "batch": s.batch, "rng": ckpt.rng_state(), "draft_ids": s.draft_ids.cpu(),
         "train_config": asdict(s.cfg), "drafter_config": drafter.cfg.to_dict(),
+        "method": "dflash" if isinstance(drafter, DFlashDrafter) else "eagle3",
     }  # fmt: skip
     path = ckpt.save_state(s.folder, s.step, blob, s.cfg.keep_checkpoints)
     target_config = model_config(s.target_dir)
-    out = ckpt.save_drafter(s.drafter_out, drafter, target_config, s.aux_layer_ids, s.dtype)
+    if isinstance(drafter, DFlashDrafter):
+        out = ckpt.save_dflash(s.drafter_out, drafter, target_config, s.dtype)
+    else:
+        out = ckpt.save_drafter(s.drafter_out, drafter, target_config, s.aux_layer_ids, s.dtype)
     s.rep.set(TrainProgress(last_checkpoint=str(path), drafter_dir=str(out)))
     return path
 

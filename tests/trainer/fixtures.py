@@ -39,13 +39,14 @@ def make_run(
     store_dtype: str = "model",
     layout: Layout = Layout(),
     texts: list[list[int]] | None = None,
+    layer_ids: list[int] | None = None,
 ) -> list[int]:
     """Writes ``n`` samples (``texts``' token ids, else patterned sequences) and the run state, stored as
     ``store_dtype`` in ``layout`` (a top-k computed as the reference server does); marks all done (``complete``)
-    or all but the last. Returns layer ids."""
+    or all but the last; captured at ``layer_ids`` (EAGLE-3's default when None). Returns layer ids."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     layers = model.config.num_hidden_layers
-    layer_ids = default_layer_ids(layers)
+    layer_ids = layer_ids or default_layer_ids(layers)
     state = RunState(redis, run_id)
     state.create(model_dir=str(model_dir), hidden_size=model.config.hidden_size, num_layers=layers,
                  aux_layer_ids=layer_ids)  # fmt: skip
