@@ -420,13 +420,13 @@ def announce(s: Session, per_epoch: int) -> None:
     s.rep.set(TrainProgress(
         step=s.step, total_steps=s.total, epoch=s.epoch, epochs=cfg.epochs, started_at=time.time(),
         train_samples=len(s.train_items), heldout_samples=len(s.held_items), draft_vocab_size=len(s.draft_ids),
-        ttt_steps=cfg.ttt_steps, world_size=env.world, device=str(env.device),
+        ttt_steps=s.objective.positions, world_size=env.world, device=str(env.device),
     ))  # fmt: skip
     log.info(
-        "run %s: training %d steps (%d a epoch), %d train / %d held-out samples, draft vocab %d, %d TTT steps, "
+        "run %s: training %d steps (%d a epoch), %d train / %d held-out samples, draft vocab %d, %d draft positions, "
         "%d process(es) on %s, attention %s, %s",
         s.run_id, s.total, per_epoch, len(s.train_items), len(s.held_items), len(s.draft_ids),
-        cfg.ttt_steps, env.world, env.device, s.objective.attention,
+        s.objective.positions, env.world, env.device, s.objective.attention,
         "compiled" if compile_on(cfg, env.device) else "eager",
     )  # fmt: skip
     s.rep.start_bar(s.total, s.step)
