@@ -50,3 +50,9 @@ def test_bench_edits_no_import_path():
     # bench is a package run from the repository root (python -m bench.<name>); a path edit hides a broken import
     edits = [str(p.relative_to(ROOT)) for p in BENCH.rglob("*.py") if "sys.path" in p.read_text()]
     assert edits == []
+
+
+def test_no_bench_file_is_over_700_lines():
+    # a file past this is runner, harness and phases at once again: split it by phase family
+    long = {str(p.relative_to(ROOT)): n for p in BENCH.rglob("*.py") if (n := len(p.read_text().splitlines())) > 700}
+    assert long == {}
