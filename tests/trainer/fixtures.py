@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from eaglet.shared.layers import default_layer_ids
 from eaglet.shared.layout import Layout
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.samples import SampleWriter
 from eaglet.shared.store import sample_path, samples_dir, write_sample
@@ -40,6 +41,7 @@ def make_run(
     layout: Layout = Layout(),
     texts: list[list[int]] | None = None,
     layer_ids: list[int] | None = None,
+    options: RunOptions | None = None,
 ) -> list[int]:
     """Writes ``n`` samples (``texts``' token ids, else patterned sequences) and the run state, stored as
     ``store_dtype`` in ``layout`` (a top-k computed as the reference server does); marks all done (``complete``)
@@ -49,7 +51,7 @@ def make_run(
     layer_ids = layer_ids or default_layer_ids(layers)
     state = RunState(redis, run_id)
     state.create(model_dir=str(model_dir), hidden_size=model.config.hidden_size, num_layers=layers,
-                 aux_layer_ids=layer_ids)  # fmt: skip
+                 aux_layer_ids=layer_ids, options=options)  # fmt: skip
     writer = SampleWriter(samples_dir(data_dir, run_id))
     seqs = texts if texts is not None else token_sequences(n, length)
     for i, ids in enumerate(seqs):

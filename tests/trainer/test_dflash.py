@@ -17,6 +17,7 @@ from eaglet.services.trainer.distributed import Dist
 from eaglet.services.trainer.evaluate import run_eval
 from eaglet.services.trainer.speculative import dflash_generate, greedy_generate
 from eaglet.services.trainer.train import train
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.runstate import RunState
 from eaglet.shared.store import checkpoints_dir, drafter_dir
 from tests.trainer.fixtures import make_run
@@ -112,6 +113,19 @@ def test_the_trainer_learns_a_dflash_drafter_and_writes_it_as_sglang_loads_it(re
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
             "layers.0.mlp.down_proj.weight"} <= names  # fmt: skip
     assert not any("embed" in n or "lm_head" in n for n in names)  # the target's, in the engine
+
+
+def test_the_trainer_follows_the_runs_own_method(redis, tmp_path, tiny_model_dir):
+    """A run ingested with ``--method dflash`` trains a DFlash drafter under the trainer's default ``auto``."""
+    make_run(redis, tmp_path, tiny_model_dir, "d4", layer_ids=LAYERS,
+             options=RunOptions(method="dflash", aux_layer_ids=LAYERS))  # fmt: skip
+    train(redis=redis, run_id="d4", data_dir=tmp_path, target_dir=tiny_model_dir,
+          cfg=small(method="auto", max_steps=2), env=Dist())  # fmt: skip
+    assert is_dflash(drafter_dir(tmp_path, "d4"))
+    make_run(redis, tmp_path, tiny_model_dir, "e4")  # a run that names no method: EAGLE-3
+    train(redis=redis, run_id="e4", data_dir=tmp_path, target_dir=tiny_model_dir,
+          cfg=small(method="auto", max_steps=2, ttt_steps=2, draft_vocab_size=256), env=Dist())  # fmt: skip
+    assert not is_dflash(drafter_dir(tmp_path, "e4"))
 
 
 def test_a_resumed_dflash_training_continues_from_its_checkpoint(redis, tmp_path, tiny_model_dir):
