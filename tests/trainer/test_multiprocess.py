@@ -47,16 +47,26 @@ def budget(data_dir: Path, run: str) -> int:
     return per_process
 
 
+# DFlash: every block anchored (no draw of anchors that a batch's split would change), on three captured layers
+METHODS = {
+    "eagle3": ({}, None),
+    "dflash": (dict(method="dflash", dflash_layers=2, block_size=4, dflash_anchors=4096), [2, 4, 5]),
+}
+
+
 @pytest.mark.timeout(180)
-def test_two_processes_match_one_at_the_same_global_batch(redis, tmp_path, tiny_model_dir):
-    make_run(redis, tmp_path, tiny_model_dir, "one")
-    make_run(redis, tmp_path, tiny_model_dir, "two")
+@pytest.mark.parametrize("method", list(METHODS))
+def test_two_processes_match_one_at_the_same_global_batch(redis, tmp_path, tiny_model_dir, method):
+    extra, layer_ids = METHODS[method]
+    settings = {**SETTINGS, **extra}
+    make_run(redis, tmp_path, tiny_model_dir, "one", layer_ids=layer_ids)
+    make_run(redis, tmp_path, tiny_model_dir, "two", layer_ids=layer_ids)
     per_process = budget(tmp_path, "two")
 
     kw = redis.connection_pool.connection_kwargs
     env = {**os.environ, "EAGLET_REDIS_URL": f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}",
            "EAGLET_DATA_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}  # fmt: skip
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
     started = time.time()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -67,7 +77,7 @@ def test_two_processes_match_one_at_the_same_global_batch(redis, tmp_path, tiny_
     assert done.returncode == 0, done.stderr[-4000:]
     two_s = time.time() - started
 
-    cfg = TrainConfig(**SETTINGS, tokens_per_batch=2 * per_process)
+    cfg = TrainConfig(**settings, tokens_per_batch=2 * per_process)
     solo = train(redis=redis, run_id="one", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=cfg, env=Dist())
 
     one, two = rows(tmp_path, "one"), rows(tmp_path, "two")
