@@ -1,6 +1,6 @@
 """An eaglet DFlash drafter loaded by SGLang 0.5.17's own classes (config, weight loading, the
 context the DFlash worker writes into the draft KV cache), compared with eaglet's own computation of it. Cases:
-test_dflash_sglang_cases.py, run with the SGLang venv's Python; 0.5.17 (the GPU's) from its own dir."""
+dflash_sglang_cases.py, run with the SGLang venv's Python; 0.5.17 (the GPU's) from its own dir."""
 
 import json
 import os
@@ -16,7 +16,7 @@ from eaglet.services.trainer.dflash import DFlashConfig, DFlashDrafter
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
-CASES = Path(__file__).with_name("test_dflash_sglang_cases.py")
+CASES = Path(__file__).with_name("dflash_sglang_cases.py")
 # 0.5.17: the version the GPU image serves (0.5.23's parallel layers need a published parallel config besides)
 PATHS = {"0.5.17": [ROOT / ".venv-sglang" / "sglang-0.5.17"]}
 

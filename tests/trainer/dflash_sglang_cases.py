@@ -1,10 +1,11 @@
-"""Run with the SGLang venv's Python (test_dflash_sglang.py does): loads an eaglet DFlash drafter through SGLang's
+"""Run with the SGLang venv's Python (test_dflash_sglang.py does; not a test module: it imports SGLang): loads
+an eaglet DFlash drafter through SGLang's
 own classes (its transformers config, ``parse_dflash_draft_config``, ``DFlashDraftModel`` and its
 ``load_weights``) and computes what the DFlash worker computes of a verified context: the projected features and
 each layer's keys and values. Writes them to ``<out>/sglang.safetensors`` and the config it resolved to
 ``<out>/resolved.json``.
 
-    python test_dflash_sglang_cases.py DRAFTER_DIR INPUTS.safetensors OUT_DIR
+    python dflash_sglang_cases.py DRAFTER_DIR INPUTS.safetensors OUT_DIR
 
 A single-process gloo group stands in for TP 1 (SGLang's parallel layers need one); RoPE is SGLang's torch-native
 path (its module's CPU flag set: the CPU engine's kernels are not installed here)."""
