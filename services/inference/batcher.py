@@ -116,7 +116,9 @@ class Batcher:
     def _take_batch(self) -> list[Work]:
         if not self.pending:
             return []
-        key, batch, skipped = self.pending[0].key, [], deque()
+        key = self.pending[0].key
+        batch: list[Work] = []
+        skipped: deque[Work] = deque()
         longest = 0
         while self.pending and len(batch) < self.max_batch_size:
             work = self.pending.popleft()
@@ -137,7 +139,7 @@ class Batcher:
         prompts = [w.input_ids for w in batch]
         encodings = [w.encoding for w in batch]
         self.batches += 1
-        due = [self.dump and is_eaglet_rid(w.rid) for w in batch]
+        due = [w.rid if self.dump and is_eaglet_rid(w.rid) else None for w in batch]  # the rids to dump
         if batch[0].key[0] == "generate":
             _, max_new_tokens, temperature, top_p = batch[0].key
             prefills = self.engine.prefill(prompts, encodings) if any(due) else [None] * len(batch)
@@ -146,7 +148,7 @@ class Batcher:
             results = prefills = self.engine.prefill(prompts, encodings)
             self.prefill_tokens += sum(len(p) for p in prompts)
         return results, [
-            self._submit_dump(w.rid, p) if d else None for w, p, d in zip(batch, prefills, due, strict=True)
+            self._submit_dump(rid, p) if rid is not None else None for rid, p in zip(due, prefills, strict=True)
         ]
 
     def _submit_dump(self, rid: str, prefill: Prefill) -> Future:

@@ -50,7 +50,9 @@ class ReferenceEngine:
         )
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        # transformers types ``to`` as a method wrapper that takes the model first
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         config = self.model.config
         self.hidden_size = config.hidden_size
         self.num_layers = config.num_hidden_layers

@@ -201,7 +201,8 @@ def flag_values(args: list[str]) -> list[tuple[str, str | None]]:
     for i, arg in enumerate(args):
         if not arg.startswith("--"):
             continue
-        name, eq, value = arg.partition("=")
+        name, eq, given = arg.partition("=")
+        value: str | None = given
         if not eq:
             following = args[i + 1] if i + 1 < len(args) else None
             value = following if following is not None and not following.startswith("--") else None

@@ -46,7 +46,8 @@ def is_heldout(sample_id: str, fraction: float) -> bool:
 
 def split_items(samples: SampleSet, indexes: list[int], heldout: float) -> tuple[list[Item], list[Item]]:
     """(train, held-out) items of the done samples."""
-    train, held = [], []
+    train: list[Item] = []
+    held: list[Item] = []
     for i in indexes:
         row = samples.index[i]
         item = Item(i, row["id"].decode(), int(row["length"]))
@@ -165,13 +166,14 @@ def collate(
     layout: all hold ``hidden_states``, or all ``topk_ids`` and ``topk_logp``."""
     cut = [{k: v[:max_len] for k, v in s.items()} for s in samples]
     lengths = torch.tensor([len(s["input_ids"]) for s in cut])
-    out: Batch = {k: torch.cat([s[k] for s in cut])[None] for k in cut[0]}
+    tensors = {k: torch.cat([s[k] for s in cut])[None] for k in cut[0]}
+    out: Batch = {**tensors}
     starts = torch.cumsum(lengths, 0) - lengths
     out["position_ids"] = (torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths))[None]
-    out["document_ids"] = torch.arange(len(cut), dtype=torch.int32).repeat_interleave(lengths)[None]
+    out["document_ids"] = documents = torch.arange(len(cut), dtype=torch.int32).repeat_interleave(lengths)[None]
     out["tokens"] = lengths.sum()
     if steps > 0:  # 0: a DFlash batch, whose rows are its blocks' (BlockRule)
-        out["loss_rows"], out["loss_row_counts"] = ttt_rows(out["loss_mask"], out["document_ids"], steps, align)
+        out["loss_rows"], out["loss_row_counts"] = ttt_rows(tensors["loss_mask"], documents, steps, align)
     return out
 
 

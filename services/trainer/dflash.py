@@ -20,6 +20,7 @@ No embedding and no LM head of its own: the target's, frozen. Parameter names ar
 """
 
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +95,7 @@ class DFlashAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, n, self.head_dim).transpose(1, 2)  # [B, n, T, d]
 
-    def kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.k_norm(self.heads(self.k_proj(x), self.n_kv))
         return apply_rope(k, positions, inv_freq), self.heads(self.v_proj(x), self.n_kv)
 
@@ -116,6 +117,9 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    embed_tokens: torch.Tensor  # buffers, set in __init__
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: DFlashConfig, embed_tokens: torch.Tensor):
         super().__init__()
         self.cfg = cfg
@@ -130,7 +134,11 @@ class DFlashDrafter(nn.Module):
         """The context's keys and values per layer from the target's states ``aux`` [B, S, K * H] at ``positions``
         [B, S]: what SGLang writes into the draft KV cache for verified tokens."""
         ctx = self.hidden_norm(self.fc(aux))
-        return [layer.self_attn.kv(ctx, positions, self.inv_freq) for layer in self.layers]
+        return [layer.self_attn.kv(ctx, positions, self.inv_freq) for layer in self.blocks()]
+
+    def blocks(self) -> list[DFlashLayer]:
+        # what ``layers`` holds: nn.ModuleList's items are typed as any Module
+        return cast(list[DFlashLayer], list(self.layers))
 
     def block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
         """The blocks' tokens [A, block_size]: each anchor token [A] followed by mask tokens."""
@@ -145,7 +153,7 @@ class DFlashDrafter(nn.Module):
         context's keys first, then the blocks'), or None: every query sees every key (one block, as decoding)."""
         x = F.embedding(token_ids, self.embed_tokens).to(context[0][0].dtype)
         residual = None
-        for layer, (k_ctx, v_ctx) in zip(self.layers, context, strict=True):
+        for layer, (k_ctx, v_ctx) in zip(self.blocks(), context, strict=True):
             residual = x if residual is None else x + residual
             h = layer.input_layernorm(residual)
             attn = layer.self_attn
@@ -156,4 +164,5 @@ class DFlashDrafter(nn.Module):
             )
             residual = attn.out(y) + residual
             x = layer.mlp(layer.post_attention_layernorm(residual))
+        assert residual is not None  # the config has at least one layer
         return self.norm(x + residual)

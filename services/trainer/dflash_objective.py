@@ -28,6 +28,8 @@ class DFlashObjective(nn.Module):
     """Drafter + loss in one forward, so DDP sees every parameter use inside ``forward``; nothing in it reads a
     figure back to the host (invalid block positions are weighted 0, not dropped)."""
 
+    target_head: torch.Tensor  # a buffer, set in __init__
+
     def __init__(self, drafter: DFlashDrafter, target_head: torch.Tensor, cfg: TrainConfig):
         super().__init__()
         self.drafter, self.cfg = drafter, cfg

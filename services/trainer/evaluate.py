@@ -136,7 +136,8 @@ def evaluate_run(
     gpu = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    # transformers types ``to`` as a method wrapper that takes the model first
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     folder = Path(drafter_path or drafter_dir(data_dir, run_id))
     embed = target.get_input_embeddings().weight.detach()
     drafter: Drafter | DFlashDrafter

@@ -25,6 +25,7 @@ import time
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from redis.exceptions import RedisError
@@ -42,9 +43,12 @@ from eaglet.shared.records import GPUS_RELEASED, LOST_AFTER_BEATS, GpuRole, Trai
 from eaglet.shared.runstate import RunState, StageRefused
 from eaglet.shared.target import resolve_model_dir
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 log = logging.getLogger(__name__)
 
-Config = typing.TypeVar("Config")  # a config dataclass
+Config = typing.TypeVar("Config", bound="DataclassInstance")
 
 
 class RunCancelled(RuntimeError):
@@ -84,7 +88,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass, whitespace folded: the string right after the field."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(node, ast.ClassDef), f"{cls.__name__}: not defined by a class statement"
+    body = node.body
     return {
         field.target.id: " ".join(doc.value.value.split())
         for field, doc in itertools.pairwise(body)

@@ -234,7 +234,7 @@ class KVCache:
         return self.k, self.v
 
     def crop(self, length: int) -> None:
-        if self.k is not None:
+        if self.k is not None and self.v is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
 
@@ -300,7 +300,9 @@ class CausalAttention:
         ]
         return torch.cat([o for o, _ in parts], 2), torch.cat([s for _, s in parts], 2)
 
-    def rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
+    def rows(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The math path for queries [lo, hi): the keys up to hi - 1 are all a causal query there can see."""
         B, h, _, d = q.shape
         kv = k.shape[1]
@@ -316,7 +318,7 @@ class CausalAttention:
         return out.reshape(B, h, hi - lo, d), lse.reshape(B, h, hi - lo)
 
 
-_flex_masks: dict[tuple, object] = {}
+_flex_masks: dict[tuple, "BlockMask"] = {}
 
 
 def causal_block_mask(
@@ -456,6 +458,11 @@ class MidLayer(nn.Module):
 
 
 class Drafter(nn.Module):
+    embed_tokens: torch.Tensor  # buffers, set in __init__
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: DrafterConfig, embed_tokens: torch.Tensor):
         super().__init__()
         self.cfg = cfg
@@ -541,7 +548,7 @@ class Drafter(nn.Module):
     def ttt_step(self, embeds, hidden, positions, ks: tuple, vs: tuple, attention) -> tuple[torch.Tensor, ...]:
         """One unrolled step over the earlier steps' keys and values: (output, its keys, its values). A function
         of its inputs alone, so a checkpointed step recomputes exactly what it computed."""
-        kv = []
+        kv: list[torch.Tensor] = []
 
         def attend(q, k, v):
             kv[:] = [k, v]

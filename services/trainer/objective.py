@@ -27,6 +27,9 @@ class TTTObjective(nn.Module):
     (computed by the loader on the host, ``data.ttt_rows``), and every count stays a device tensor, so a step
     queues its kernels without waiting for the GPU until the caller reads its figures."""
 
+    target_head: torch.Tensor  # buffers, set in __init__
+    draft_ids: torch.Tensor
+
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, cfg: TrainConfig, attention: str, oov: bool,
                  replay: ChainReplay | None = None):  # fmt: skip
         super().__init__()
@@ -70,6 +73,7 @@ class TTTObjective(nn.Module):
         and the log of its normalizer over the whole vocabulary [N] for the LK losses (else None); from a stored
         top-k (``topk``: ids, log-probs [B, T, k]) its log-probs and their draft ids [N, k])."""
         if hidden is None:
+            assert topk is not None  # a run stores one of the two
             ids = topk[0].flatten(0, 1)[rows]
             usable = self.drafter.t2d[ids[:, 0]] if self.oov else torch.ones_like(rows, dtype=torch.bool)
             return usable.float(), (topk[1].flatten(0, 1)[rows], draft_index(self.drafter.t2d)[ids])

@@ -25,7 +25,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
 
     @torch.no_grad()
-    def step(self, closure=None) -> None:
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closure: two optimizers would run it twice
         if closure is not None:
             raise ValueError("MuonAdamW.step takes no closure")
         self.muon.step()

@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 from eaglet.services.trainer.curves import Curves
 from eaglet.shared.records import TrainProgress
@@ -25,7 +25,7 @@ class Reporter:
         self.metrics = folder / "metrics.jsonl"
         self.curves = Curves(curves_folder) if enabled else None
         self.bar: Progress | None = None
-        self.task = None
+        self.task: TaskID | None = None
 
     def set(self, progress: TrainProgress) -> None:
         if self.enabled and self.state is not None:
@@ -45,22 +45,22 @@ class Reporter:
             self.bar.start()
 
     def step(self, step: int, info: str) -> None:
-        if self.bar is not None:
+        if self.bar is not None and self.task is not None:
             self.bar.update(self.task, completed=step, info=info)
 
     def record(self, row: dict) -> None:
-        if self.enabled:
+        if self.curves is not None:  # made when enabled
             with open(self.metrics, "a") as f:
                 f.write(json.dumps(row) + "\n")
             self.curves.step(row["step"], row["loss"], row["acc"], row["lr"], row["grad_norm"])
 
     def throughput(self, step: int, tokens_per_s: float) -> None:
-        if self.enabled:
+        if self.curves is not None:
             self.curves.throughput(step, tokens_per_s)
 
     def heldout(self, step: int, figures: dict) -> None:
         self.set(TrainProgress(**figures))
-        if self.enabled and figures and figures["heldout_loss"] is not None:
+        if self.curves is not None and figures and figures["heldout_loss"] is not None:
             self.curves.heldout(step, figures["heldout_loss"], figures["heldout_acc"])
 
     def close(self) -> None:

@@ -110,7 +110,11 @@ def build_dflash(
             block_size=cfg.block_size, mask_token_id=mask_token_id, rms_norm_eps=text.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta(text), max_position_embeddings=text.get("max_position_embeddings", 4096),
         )  # fmt: skip
-    return DFlashDrafter(shape, tensors["embed"].float()), tensors["lm_head"].float()
+    drafter = DFlashDrafter(shape, tensors["embed"].float())
+    if cfg.init_from_target:  # the target's LM head reads states its final norm scaled: start the drafter's there
+        with torch.no_grad():
+            drafter.norm.weight.copy_(tensors["norm"].float())
+    return drafter, tensors["lm_head"].float()
 
 
 def run_method(cfg: TrainConfig, meta: RunMeta) -> str:
@@ -291,6 +295,7 @@ def draft_vocab(
         vocab[0] = build_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always=eos_ids(target_dir))
     if env.world > 1:
         dist.broadcast_object_list(vocab, src=0)
+    assert vocab[0] is not None  # rank 0 built it; the broadcast gave it to the others
     return vocab[0]
 
 
@@ -472,7 +477,7 @@ def train_step(s: Session, b: data.Batch) -> None:
         bf16=env.device.type == "cuda",
         scale=env.world,
     )
-    lr = s.sched.get_last_lr()[0]  # the rate this step used
+    lr = float(s.sched.get_last_lr()[0])  # the rate this step used
     s.sched.step()
     s.step, s.batch = s.step + 1, s.batch + 1
     s.pending.append((s.step, lr, torch.cat([loss.detach()[None], losses, accs, b["tokens"].float()[None]]), gnorm))

@@ -51,7 +51,7 @@ def plan_rows(
         rids, prompt_lens, prefix_lens, extend_lens, decoding, strict=True
     ):
         row_start, start = start, start + extend_len
-        if is_decoding or not is_eaglet_rid(rid) or prefix_len >= prompt_len:
+        if is_decoding or not isinstance(rid, str) or not is_eaglet_rid(rid) or prefix_len >= prompt_len:
             continue
         try:
             check_rid(rid)

@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -80,7 +81,7 @@ class DumpSettings:
                 raise ValueError(f"EAGLET_AUX_LAYER_IDS={self.aux_layer_ids}: {problem}")
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "DumpSettings":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "DumpSettings":
         env = os.environ if env is None else env
         dump_dir = env.get("EAGLET_DUMP_DIR")
         if not dump_dir:
@@ -309,6 +310,7 @@ class DumpPlugin:
         if problem:
             self._warn_once(problem)
             return None
+        assert aux is not None and final is not None  # _check_outputs names a missing one
         encodings = snapshot.encodings
         kept = snapshot.rows
         if aux.shape[-1] % FP4_BLOCK and any(encodings[r.rid].aux_fp4 for r in kept):
