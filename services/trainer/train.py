@@ -265,7 +265,8 @@ def start(
     if per_epoch == 0:
         raise RuntimeError(f"run {run_id}: {len(train_items)} samples make no batch for {env.world} processes")
     total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
-    opt = build_optimizer(cfg.optimizer, objective.drafter, cfg.lr, cfg.weight_decay)
+    lr = cfg.dflash_lr if method == "dflash" else cfg.lr
+    opt = build_optimizer(cfg.optimizer, objective.drafter, lr, cfg.weight_decay)
     warmup = max(1, int(cfg.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, cfg.min_lr_ratio))
     s = Session(
