@@ -38,6 +38,9 @@ SERVER = "h2h-sgl"
 PY_SPECFORGE = os.environ.get("H2H_SPECFORGE_PATH", f"{P.S}/sfsite:{P.REPO}/bench/gpu/shims:{P.S}/site")
 GEN_EXTRA = ["--mem-fraction-static", "0.6", "--cuda-graph-max-bs", "256", "--chunked-prefill-size", "8192"]
 EVAL_EXTRA = ["--mem-fraction-static", "0.5", "--disable-cuda-graph"]
+# the layers the plugin server captures (eaglet's ids, comma-separated; unset: EAGLE-3's default three): a DFlash
+# sequence needs DFlash's five, and one server captures the union for runs of both methods
+CAPTURE = [int(x) for x in os.environ.get("H2H_AUX_LAYER_IDS", "").split(",") if x.strip()]
 
 
 def time_left(margin: float = 20) -> float:
@@ -74,17 +77,18 @@ def plugin_server(graphs: bool = True) -> None:
     P.redis_up()
     P.DUMPS.mkdir(parents=True, exist_ok=True)
     R = P.RESULTS.setdefault("h2h-data", {})
+    capture = ["--aux-layer-ids", *map(str, CAPTURE)] if CAPTURE else []
     plain = GEN_EXTRA[:2] + ["--chunked-prefill-size", "8192", "--disable-cuda-graph"]
     if graphs:
         try:
-            R["server_startup_s"] = P.sglang(SERVER, SMOL, plugin=True, extra=GEN_EXTRA)
-            R["server_flags"] = " ".join(GEN_EXTRA + P.SGL_BASE)
+            R["server_startup_s"] = P.sglang(SERVER, SMOL, plugin=True, extra=GEN_EXTRA + capture)
+            R["server_flags"] = " ".join(GEN_EXTRA + capture + P.SGL_BASE)
             return
         except RuntimeError as e:
             P.stop(SERVER)
             R["cuda_graph_error"] = str(e)[-1500:]
-    R["server_startup_s"] = P.sglang(SERVER, SMOL, plugin=True, extra=plain)
-    R["server_flags"] = " ".join(plain + P.SGL_BASE)
+    R["server_startup_s"] = P.sglang(SERVER, SMOL, plugin=True, extra=plain + capture)
+    R["server_flags"] = " ".join(plain + capture + P.SGL_BASE)
 
 
 HTTP_ERRORS: list[str] = []  # requests the server refused while writing the data: counted, the first kept

@@ -92,6 +92,15 @@ def eagle3_flags(drafter_dir: str, chain: tuple) -> list[str]:
             "--speculative-num-draft-tokens", str(chain[2])]  # fmt: skip
 
 
+DFLASH = "dflash"
+"""``evaluate``'s chain for a DFlash drafter: a block a round, its size from the drafter's config."""
+
+
+def dflash_flags(drafter_dir: str) -> list[str]:
+    """SGLang's flags to serve ``drafter_dir`` as DFlash (the block size and mask token come from its config)."""
+    return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", drafter_dir]
+
+
 def start_sharing(name: str, model: Path, extra: list[str], port: int) -> float:
     """Plain SGLang on ``port`` beside other servers starting on the same GPU (``harness.once_more_if_refused``).
     Returns its startup s."""
@@ -100,17 +109,26 @@ def start_sharing(name: str, model: Path, extra: list[str], port: int) -> float:
 
 
 def evaluate(
-    key: str, ddir: str | None, chain: tuple | None, prompts: dict, base_texts: dict, port: int = 0, mem: float = 0
+    key: str,
+    ddir: str | None,
+    chain: tuple | str | None,
+    prompts: dict,
+    base_texts: dict,
+    port: int = 0,
+    mem: float = 0,
 ) -> dict:
-    """One server on ``port`` (the target alone when ``chain`` is None, else with the drafter at that chain) over
+    """One server on ``port`` (the target alone when ``chain`` is None, else with the drafter at that chain, or as
+    DFlash for ``DFLASH``) over
     every prompt set; a failure is recorded in place of the figures. The target alone decodes HumanEval a second
     time at another concurrency: the same greedy decoding in other batches, the yardstick for the drafters'
     agreement. ``mem``: the server's --mem-fraction-static when several share the GPU (0: EVAL_EXTRA's)."""
     extra = list(h2h.EVAL_EXTRA)
     if mem:
         extra[extra.index("--mem-fraction-static") + 1] = str(mem)
-    if chain is not None:
-        extra += eagle3_flags(ddir, chain)
+    if chain == DFLASH:
+        extra += dflash_flags(str(ddir))
+    elif chain is not None:
+        extra += eagle3_flags(str(ddir), chain)
     name = f"h2h-eval-{key.replace(' ', '').replace(',', '-')}"
     try:
         startup = start_sharing(name, h2h.SMOL, extra, port)

@@ -27,9 +27,10 @@ Phases (each skipped when an earlier call finished it; state in $GPUBENCH_ROOT/g
                  GPU from the stored final states by the servers' encoder), one run a layout; the recipes
                  ``layout-<name>`` of H2H_ABLATIONS train the default recipe on them (h2h-ablate-train/-eval).
   h2h-report     $OUT/gpu-headtohead.md and .json.
+  dfl-*          eaglet's DFlash drafters trained and served by SGLang (bench/gpu/h2hdflash.py).
 """
 
-from bench.gpu import h2h, h2hablate, h2hdata, h2heval, h2hreport, h2htrain
+from bench.gpu import h2h, h2hablate, h2hdata, h2hdflash, h2heval, h2hreport, h2htrain
 from bench.gpu import harness as P
 
 
@@ -53,6 +54,7 @@ PHASES = {
     "h2h-ablate-eval": h2hablate.phase_ablate_eval,
     "h2h-gate": h2hablate.phase_gate,
     "h2h-report": phase_report,
+    **h2hdflash.PHASES,
 }
 
 
@@ -71,6 +73,7 @@ ESTIMATE_S = {
     "h2h-ablate-eval": 150,
     "h2h-gate": 1,
     "h2h-report": 5,
+    **h2hdflash.ESTIMATE_S,
 }
 
 

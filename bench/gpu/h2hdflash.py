@@ -1,0 +1,182 @@
+"""DFlash in the head-to-head: eaglet's DFlash drafters trained on the kept conversations and served by SGLang's
+DFLASH worker, beside the target alone, in one call sequence (bench/gpu/README.md has the commands).
+
+  dfl-extract  the conversations through eaglet again, stored for a DFlash drafter (``--method dflash``: DFlash's
+               five layers of the target, every state kept as h2h-extract keeps them) by the plugin server, which
+               captures them (H2H_AUX_LAYER_IDS).
+  dfl-train    eaglet's DFlash trainer on that run, one drafter a learning rate of DFL_LRS (``--dflash-lr``),
+               together on the GPU, H2H_EPOCHS epochs; one cut off by the call's end resumes from its checkpoint.
+  dfl-eval     one plain SGLang build: the target alone, then every trained drafter at once (a server each,
+               ``--speculative-algorithm DFLASH``), on HumanEval and the held-out prompts, greedy: accept length,
+               acceptance per block position, output tokens/s, outputs equal to the target alone's.
+  dfl-report   $OUT/dflash.json: ``rows`` of {method, trainer, prompt_set, accept_length, tokens_per_s}, this call's
+               target alone beside them, and eaglet's EAGLE-3 default at (3, 1, 4) as the committed 2026-12-04 run
+               measured it (labelled: another day's call).
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from bench.gpu import h2h, h2heval, h2htrain
+from bench.gpu import harness as P
+
+LRS = [x.strip() for x in os.environ.get("DFL_LRS", "3e-4,6e-4,1e-3").split(",") if x.strip()]
+# the layers the DFlash run stores (eaglet's ids); unset: DFlash's default for the target (SmolLM2: 2, 9, 15, 21, 28).
+# The CPU rehearsal's tiny target has too few layers for the default's five.
+LAYERS = [int(x) for x in os.environ.get("DFL_AUX_LAYER_IDS", "").split(",") if x.strip()]
+CHECKPOINT_EVERY = int(os.environ.get("DFL_CHECKPOINT_EVERY", "200"))
+EVAL_MEM = 0.12  # --mem-fraction-static of each drafter's server: several share the GPU (as h2h-ablate-eval's)
+EAGLE3_COMMITTED = P.REPO / "results" / "gpu-headtohead-2026-12-04" / "gpu-headtohead.json"
+
+
+def drafter_name(lr: str) -> str:
+    return f"dflash-lr{lr}"
+
+
+def phase_extract() -> None:
+    if h2h.done("dfl-extract"):
+        return
+    from eaglet.shared.runoptions import EVERY_STATE
+
+    h2h.ensure_model()
+    h2h.plugin_server(graphs=False)
+    R = P.RESULTS.setdefault("dfl-extract", {})
+    R["run_id"] = f"h2h-dflash-{int(time.time())}"
+    options = {**EVERY_STATE, "method": "dflash", **({"aux_layer_ids": LAYERS} if LAYERS else {})}
+    R.update(P.pipeline(R["run_id"], h2h.SMOL, h2h.H2H / "train.jsonl", P.SGL_PORT, h2h.WORKERS, 2048,
+                        timeout=h2h.time_left(40), store_options=options))  # fmt: skip
+    R["done"] = bool(R.get("complete"))
+
+
+def phase_train() -> None:
+    """Every learning rate not trained to its end yet, together on the GPU, each into a folder of its own."""
+    R = P.RESULTS.setdefault("dfl-train", {})
+    run_id = P.RESULTS.get("dfl-extract", {}).get("run_id")
+    if not P.RESULTS.get("dfl-extract", {}).get("done"):
+        R["error"] = "no DFlash extraction (phase dfl-extract)"
+        return
+    P.stop(h2h.SERVER)  # the GPU to the trainers
+    drafters = R.setdefault("drafters", {})
+    jobs = []
+    for lr in LRS:
+        name = drafter_name(lr)
+        rec = drafters.setdefault(name, {"dflash_lr": lr})
+        if rec.get("rc") == 0:
+            continue
+        out = h2h.H2H / "dflash" / name
+        argv = [sys.executable, "-m", "bench.gpu.ablate", "--run", run_id, "--out", str(out), "--model", str(h2h.SMOL),
+                "--method", "dflash", "--dflash-lr", lr, "--epochs", str(h2h.EPOCHS),
+                "--checkpoint-every", str(CHECKPOINT_EVERY)]  # fmt: skip
+        rec["drafter_dir"] = str(out / "drafter")
+        jobs.append((rec, {}, f"dfl-train-{name}", argv))
+    if jobs and h2h.time_left() > 60:
+        threads = str(max(1, (os.cpu_count() or 16) // len(jobs)))
+        env = {**P.eaglet_env(h2h.SMOL, P.SGL_PORT), "OMP_NUM_THREADS": threads,
+               "ABLATE_GPU_SHARE": f"{0.95 / len(jobs):.3f}",
+               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # fmt: skip
+        h2htrain.run_trainers([(R_, n, argv) for _, R_, n, argv in jobs], P.PY_EAGLET, env, h2htrain.TRAIN_TIMEOUT,
+                              h2h.H2H)  # fmt: skip
+        for rec, this_call, _, _ in jobs:
+            wall = this_call["wall_s"] + rec.get("wall_s", 0)  # the calls' sum
+            probe = this_call.get("probe") or {}
+            rec.update(rc=this_call["rc"], error=this_call.get("error"), wall_s=round(wall, 1),
+                       trained_beside=len(jobs) - 1, peak_gpu_GiB=this_call.get("peak_gpu_GiB"),
+                       peak_allocated_GiB=probe.get("peak_allocated_GiB"), final=probe.get("final"),
+                       log_tail=None if this_call["rc"] == 0 else this_call.get("log_tail"))  # fmt: skip
+        P.save("dfl-train")
+    R["done"] = all(drafters.get(drafter_name(lr), {}).get("rc") == 0 for lr in LRS)
+
+
+def phase_eval() -> None:
+    """The target alone first (the texts the drafters' outputs are held against), then every trained drafter's
+    server at once, on ports of their own: accept length does not depend on what shares the GPU."""
+    if h2h.done("dfl-eval"):
+        return
+    R = P.RESULTS.setdefault("dfl-eval", {})
+    h2h.ensure_model()
+    prompts = h2heval.eval_prompts(h2h.tokenizer())
+    R.update(prompt_sets=list(prompts), max_new_tokens=h2h.EVAL_TOKENS, concurrency=h2h.EVAL_CONCURRENCY,
+             server_flags=" ".join(h2h.EVAL_EXTRA + P.SGL_BASE))  # fmt: skip
+    P.stop_all()
+    base_texts: dict = {}
+    R["baseline"] = h2heval.evaluate("baseline", None, None, prompts, base_texts)
+    P.save("dfl-eval")
+    trained = {n: r["drafter_dir"] for n, r in P.RESULTS.get("dfl-train", {}).get("drafters", {}).items()
+               if r.get("rc") == 0}  # fmt: skip
+    ports = list(range(P.SGL_PORT + 10, P.SGL_PORT + 10 + max(1, len(trained))))
+    lock = threading.Lock()
+    drafters = R.setdefault("drafters", {})
+
+    def one(name: str) -> None:
+        with lock:
+            port = ports.pop()
+        try:
+            if h2h.time_left() < 130:  # a server start and two prompt sets
+                drafters[name] = {s: {"error": "not run: out of this call's time"} for s in prompts}
+            else:
+                drafters[name] = h2heval.evaluate(name, trained[name], h2heval.DFLASH, prompts, base_texts, port,
+                                                  EVAL_MEM)  # fmt: skip
+        finally:
+            with lock:
+                ports.append(port)
+                P.save("dfl-eval")
+
+    with ThreadPoolExecutor(max(1, len(trained))) as ex:
+        list(ex.map(one, trained))
+    R["done"] = bool(trained) and all(
+        "error" not in res for d in drafters.values() for res in d.values() if isinstance(res, dict)
+    )
+
+
+def rows() -> list[dict]:
+    """The committed table's rows: each served drafter and the target alone on each prompt set."""
+    ev = P.RESULTS.get("dfl-eval", {})
+    out = []
+    for pset, res in ev.get("baseline", {}).items():
+        if isinstance(res, dict):
+            out.append({"method": "target alone", "trainer": None, "prompt_set": pset, "accept_length": None,
+                        "tokens_per_s": res.get("output_tokens_per_s"), "call": "this"})  # fmt: skip
+    trains = P.RESULTS.get("dfl-train", {}).get("drafters", {})
+    for name, sets in ev.get("drafters", {}).items():
+        for pset, res in sets.items():
+            if not isinstance(res, dict):
+                continue
+            final = (trains.get(name) or {}).get("final") or {}
+            out.append({"method": "dflash", "trainer": "eaglet", "dflash_lr": trains.get(name, {}).get("dflash_lr"),
+                        "prompt_set": pset, "accept_length": res.get("accept_length"),
+                        "tokens_per_s": res.get("output_tokens_per_s"),
+                        "accept_rate_per_position": res.get("accept_rate_per_position"),
+                        "same_text_as_target_alone": res.get("same_text_as_target_alone"), "error": res.get("error"),
+                        "heldout_acc": final.get("heldout_acc"), "train_wall_s": trains.get(name, {}).get("wall_s"),
+                        "peak_gpu_GiB": trains.get(name, {}).get("peak_gpu_GiB"), "call": "this"})  # fmt: skip
+    if EAGLE3_COMMITTED.exists():
+        for r in json.loads(EAGLE3_COMMITTED.read_text()).get("rows", []):
+            if r.get("chain") == "(3, 1, 4)":
+                out.append({"method": "eagle3 (3, 1, 4)", "trainer": "eaglet", "prompt_set": r["prompt_set"],
+                            "accept_length": r["eaglet"]["accept_length"],
+                            "tokens_per_s": r["eaglet"]["output_tokens_per_s"],
+                            "call": "2026-12-04 (another call: its target alone ran at "
+                                    f"{r['baseline_tokens_per_s']} tokens/s)"})  # fmt: skip
+    return out
+
+
+def phase_report() -> None:
+    for phase in ("dfl-extract", "dfl-train", "dfl-eval"):
+        P.save(phase)
+    report = {"rows": rows(), "extract": P.RESULTS.get("dfl-extract", {}), "lrs": LRS, "epochs": h2h.EPOCHS}
+    (P.OUT / "dflash.json").write_text(json.dumps(report, indent=1, default=str))
+    P.RESULTS.setdefault("dfl-report", {})["done"] = True
+
+
+PHASES = {"dfl-extract": phase_extract, "dfl-train": phase_train, "dfl-eval": phase_eval, "dfl-report": phase_report}
+
+ESTIMATE_S = {
+    "dfl-extract": lambda: 70 + h2h.conversations() * 0.01,
+    "dfl-train": 120,  # any minute of training is kept: a drafter cut off resumes in the next call
+    "dfl-eval": 300,  # the target alone (a start, two sets, the repeat), then the drafters' servers together
+    "dfl-report": 5,
+}
