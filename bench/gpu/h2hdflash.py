@@ -4,8 +4,10 @@ DFLASH worker, beside the target alone, in one call sequence (bench/gpu/README.m
   dfl-extract  the conversations through eaglet again, stored for a DFlash drafter (``--method dflash``: DFlash's
                five layers of the target, every state kept as h2h-extract keeps them) by the plugin server, which
                captures them (H2H_AUX_LAYER_IDS).
-  dfl-train    eaglet's DFlash trainer on that run, one drafter a learning rate of DFL_LRS (``--dflash-lr``),
-               together on the GPU, H2H_EPOCHS epochs; one cut off by the call's end resumes from its checkpoint.
+  dfl-train    eaglet's DFlash trainer on that run, one drafter a learning rate of DFL_LRS (``--dflash-lr``), and
+               SpecForge 0.2.0's DFlash trainer on the same stored states (its offline features, converted), one
+               drafter a learning rate of DFL_SPECFORGE_LRS, all together on the GPU, H2H_EPOCHS epochs; a drafter
+               cut off by the call's end resumes from its checkpoint (SpecForge's: its last save) in the next call.
   dfl-eval     one plain SGLang build: the target alone, then every trained drafter at once (a server each,
                ``--speculative-algorithm DFLASH``), on HumanEval and the held-out prompts, greedy: accept length,
                acceptance per block position, output tokens/s, outputs equal to the target alone's.
@@ -24,17 +26,24 @@ from concurrent.futures import ThreadPoolExecutor
 from bench.gpu import h2h, h2heval, h2htrain
 from bench.gpu import harness as P
 
-LRS = [x.strip() for x in os.environ.get("DFL_LRS", "3e-4,6e-4,1e-3").split(",") if x.strip()]
+LRS = [x.strip() for x in os.environ.get("DFL_LRS", "6e-4").split(",") if x.strip()]
+# SpecForge's sweep (its default 1e-4 first); empty: eaglet's drafters alone
+SPECFORGE_LRS = [x.strip() for x in os.environ.get("DFL_SPECFORGE_LRS", "1e-4,3e-4,1e-3").split(",") if x.strip()]
 # the layers the DFlash run stores (eaglet's ids); unset: DFlash's default for the target (SmolLM2: 2, 9, 15, 21, 28).
 # The CPU rehearsal's tiny target has too few layers for the default's five.
 LAYERS = [int(x) for x in os.environ.get("DFL_AUX_LAYER_IDS", "").split(",") if x.strip()]
 CHECKPOINT_EVERY = int(os.environ.get("DFL_CHECKPOINT_EVERY", "200"))
+SPECFORGE_SAVES = 6  # SpecForge's checkpoints over its run
 EVAL_MEM = 0.12  # --mem-fraction-static of each drafter's server: several share the GPU (as h2h-ablate-eval's)
 EAGLE3_COMMITTED = P.REPO / "results" / "gpu-headtohead-2026-12-04" / "gpu-headtohead.json"
 
 
 def drafter_name(lr: str) -> str:
     return f"dflash-lr{lr}"
+
+
+def specforge_name(lr: str) -> str:
+    return f"sf-dflash-lr{lr}"
 
 
 def phase_extract() -> None:
@@ -52,8 +61,65 @@ def phase_extract() -> None:
     R["done"] = bool(R.get("complete"))
 
 
+def specforge_jobs(run_id: str, R: dict) -> tuple[list[tuple[dict, str, list[str]]], dict]:
+    """SpecForge 0.2.0's DFlash trainer, one run a learning rate of DFL_SPECFORGE_LRS not trained to its end yet, on
+    the same stored states (features converted once): its defaults but the epochs, the batch (eaglet's samples a
+    step) and the drafter's layer count (eaglet's, so that both read the same stored target layers: checked).
+    Returns the jobs and their own environment (SpecForge's folder)."""
+    from bench.gpu.specforge_features import run_config, target_view
+    from eaglet.services.trainer.config import TrainConfig
+    from eaglet.shared.layers import dflash_layer_ids
+
+    drafters = R.setdefault("drafters", {})
+    todo = [lr for lr in SPECFORGE_LRS if drafters.get(specforge_name(lr), {}).get("rc") != 0]
+    if not todo:
+        return [], {}
+    n_layers = TrainConfig().dflash_layers
+    target_layers = int(json.loads((h2h.SMOL / "config.json").read_text())["num_hidden_layers"])
+    try:  # SpecForge's rule for the layers, as SGLang's (eaglet's ids)
+        theirs: list[int] | str = dflash_layer_ids(target_layers, n_layers)
+    except ValueError as e:
+        theirs = str(e)
+    stored = LAYERS or theirs
+    if theirs != stored or isinstance(theirs, str):
+        for lr in todo:
+            drafters[specforge_name(lr)] = {"dflash_lr": lr, "trainer": "specforge", "rc": None,
+                                            "error": f"SpecForge's {n_layers}-layer drafter reads layers {theirs}, "
+                                                     f"the run stored {stored}"}  # fmt: skip
+        return [], {}
+    rows = h2htrain.training_rows(run_id)
+    feats = h2h.H2H / "sf-dflash-features"
+    if not R.get("specforge_convert"):
+        R["specforge_convert"] = h2htrain.specforge_features(run_id, rows, feats, "dflash")
+        P.save("dfl-train")
+    batches, batch_size = h2htrain.specforge_batch(rows)
+    target = target_view(h2h.SMOL, P.MODELS / "smollm2-specforge")
+    jobs, own = [], {}
+    for lr in todo:
+        name = specforge_name(lr)
+        out = h2h.H2H / "sf-dflash" / name
+        out.mkdir(parents=True, exist_ok=True)
+        steps = -(-len(rows) // batch_size) * h2h.EPOCHS
+        cfg = run_config(target, feats, out, epochs=h2h.EPOCHS, batch_size=batch_size, max_length=2048, lr=float(lr),
+                         dflash_layers=n_layers)  # fmt: skip
+        # saves along the way (SpecForge keeps none when stopped): one cut off by the call's end resumes from its last
+        cfg["training"]["save_interval"] = max(1, steps // SPECFORGE_SAVES)
+        if list((out / "output").glob("h2h-step*")):
+            cfg["training"]["resume_from"] = str(out / "output")
+        (out / "config.json").write_text(json.dumps(cfg, indent=1))
+        rec = drafters.setdefault(name, {})
+        rec.update(dflash_lr=lr, trainer="specforge", config=cfg, batch_size=batch_size, layers=stored,
+                   optimizer_steps=steps, drafter_dir=str(out / "drafter"),
+                   train_tokens=sum(r[2] for r in rows) * h2h.EPOCHS)  # fmt: skip
+        jobs.append((rec, f"dfl-train-{name}", [sys.executable, "bench/gpu/specforge_train.py",
+                                                str(out / "config.json"), str(out / "drafter")]))  # fmt: skip
+        own[f"dfl-train-{name}"] = (h2h.PY_SPECFORGE, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    return jobs, own
+
+
 def phase_train() -> None:
-    """Every learning rate not trained to its end yet, together on the GPU, each into a folder of its own."""
+    """Every drafter not trained to its end yet, eaglet's (a learning rate of DFL_LRS each) and SpecForge's (one of
+    DFL_SPECFORGE_LRS each), together on the GPU, each into a folder of its own."""
     R = P.RESULTS.setdefault("dfl-train", {})
     run_id = P.RESULTS.get("dfl-extract", {}).get("run_id")
     if not P.RESULTS.get("dfl-extract", {}).get("done"):
@@ -61,34 +127,44 @@ def phase_train() -> None:
         return
     P.stop(h2h.SERVER)  # the GPU to the trainers
     drafters = R.setdefault("drafters", {})
+    train_tokens = sum(r[2] for r in h2htrain.training_rows(run_id)) * h2h.EPOCHS
     jobs = []
     for lr in LRS:
         name = drafter_name(lr)
-        rec = drafters.setdefault(name, {"dflash_lr": lr})
+        rec = drafters.setdefault(name, {"dflash_lr": lr, "trainer": "eaglet"})
         if rec.get("rc") == 0:
             continue
         out = h2h.H2H / "dflash" / name
         argv = [sys.executable, "-m", "bench.gpu.ablate", "--run", run_id, "--out", str(out), "--model", str(h2h.SMOL),
                 "--method", "dflash", "--dflash-lr", lr, "--epochs", str(h2h.EPOCHS),
                 "--checkpoint-every", str(CHECKPOINT_EVERY)]  # fmt: skip
-        rec["drafter_dir"] = str(out / "drafter")
-        jobs.append((rec, {}, f"dfl-train-{name}", argv))
+        rec.update(drafter_dir=str(out / "drafter"), train_tokens=train_tokens)
+        jobs.append((rec, f"dfl-train-{name}", argv))
+    sf_jobs, own = specforge_jobs(run_id, R)
+    jobs += sf_jobs
     if jobs and h2h.time_left() > 60:
         threads = str(max(1, (os.cpu_count() or 16) // len(jobs)))
         env = {**P.eaglet_env(h2h.SMOL, P.SGL_PORT), "OMP_NUM_THREADS": threads,
                "ABLATE_GPU_SHARE": f"{0.95 / len(jobs):.3f}",
                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # fmt: skip
-        h2htrain.run_trainers([(R_, n, argv) for _, R_, n, argv in jobs], P.PY_EAGLET, env, h2htrain.TRAIN_TIMEOUT,
-                              h2h.H2H)  # fmt: skip
-        for rec, this_call, _, _ in jobs:
-            wall = this_call["wall_s"] + rec.get("wall_s", 0)  # the calls' sum
+        own = {n: (path, {**e, "OMP_NUM_THREADS": threads}) for n, (path, e) in own.items()}
+        runs = [{} for _ in jobs]
+        h2htrain.run_trainers([(this, n, argv) for this, (_, n, argv) in zip(runs, jobs, strict=True)], P.PY_EAGLET,
+                              env, h2htrain.TRAIN_TIMEOUT, h2h.H2H, own)  # fmt: skip
+        for this_call, (rec, _, _) in zip(runs, jobs, strict=True):
             probe = this_call.get("probe") or {}
+            wall = this_call["wall_s"] + rec.get("wall_s", 0)  # the calls' sum: a run cut off resumes in the next
             rec.update(rc=this_call["rc"], error=this_call.get("error"), wall_s=round(wall, 1),
                        trained_beside=len(jobs) - 1, peak_gpu_GiB=this_call.get("peak_gpu_GiB"),
                        peak_allocated_GiB=probe.get("peak_allocated_GiB"), final=probe.get("final"),
+                       export=probe.get("export"),
                        log_tail=None if this_call["rc"] == 0 else this_call.get("log_tail"))  # fmt: skip
+            if this_call["rc"] == 0:  # start-ups included, beside the others on the GPU
+                rec["tokens_per_s"] = round(rec["train_tokens"] / wall, 1)
         P.save("dfl-train")
-    R["done"] = all(drafters.get(drafter_name(lr), {}).get("rc") == 0 for lr in LRS)
+    R["done"] = all(
+        drafters.get(n, {}).get("rc") == 0 for n in [*map(drafter_name, LRS), *map(specforge_name, SPECFORGE_LRS)]
+    )
 
 
 def phase_eval() -> None:
@@ -145,14 +221,17 @@ def rows() -> list[dict]:
         for pset, res in sets.items():
             if not isinstance(res, dict):
                 continue
-            final = (trains.get(name) or {}).get("final") or {}
-            out.append({"method": "dflash", "trainer": "eaglet", "dflash_lr": trains.get(name, {}).get("dflash_lr"),
+            train = trains.get(name) or {}
+            final = train.get("final") or {}
+            out.append({"method": "dflash", "trainer": train.get("trainer", "eaglet"),
+                        "dflash_lr": train.get("dflash_lr"), "trainer_tokens_per_s": train.get("tokens_per_s"),
                         "prompt_set": pset, "accept_length": res.get("accept_length"),
                         "tokens_per_s": res.get("output_tokens_per_s"),
                         "accept_rate_per_position": res.get("accept_rate_per_position"),
                         "same_text_as_target_alone": res.get("same_text_as_target_alone"), "error": res.get("error"),
-                        "heldout_acc": final.get("heldout_acc"), "train_wall_s": trains.get(name, {}).get("wall_s"),
-                        "peak_gpu_GiB": trains.get(name, {}).get("peak_gpu_GiB"), "call": "this"})  # fmt: skip
+                        "heldout_acc": final.get("heldout_acc"), "train_wall_s": train.get("wall_s"),
+                        "peak_gpu_GiB_all_trainers": train.get("peak_gpu_GiB"),
+                        "peak_allocated_GiB": train.get("peak_allocated_GiB"), "call": "this"})  # fmt: skip
     if EAGLE3_COMMITTED.exists():
         for r in json.loads(EAGLE3_COMMITTED.read_text()).get("rows", []):
             if r.get("chain") == "(3, 1, 4)":
@@ -167,7 +246,13 @@ def rows() -> list[dict]:
 def phase_report() -> None:
     for phase in ("dfl-extract", "dfl-train", "dfl-eval"):
         P.save(phase)
-    report = {"rows": rows(), "extract": P.RESULTS.get("dfl-extract", {}), "lrs": LRS, "epochs": h2h.EPOCHS}
+    report = {
+        "rows": rows(),
+        "extract": P.RESULTS.get("dfl-extract", {}),
+        "lrs": LRS,
+        "specforge_lrs": SPECFORGE_LRS,
+        "epochs": h2h.EPOCHS,
+    }
     (P.OUT / "dflash.json").write_text(json.dumps(report, indent=1, default=str))
     P.RESULTS.setdefault("dfl-report", {})["done"] = True
 

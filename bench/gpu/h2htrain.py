@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from bench.gpu import h2h
@@ -23,13 +24,14 @@ class GpuMemory(P.Sampler):
         self.peak_mib = max(self.peak_mib, P.gpu_memory_mib().get(0, 0))
 
 
-def training_rows() -> list[tuple[int, str, int]]:
-    """(index, sample_id, length) of the stored samples eaglet's trainer trains on."""
+def training_rows(run_id: str | None = None) -> list[tuple[int, str, int]]:
+    """(index, sample_id, length) of the stored samples eaglet's trainer trains on (of h2h-extract's run unless
+    ``run_id`` names another)."""
     from bench.gpu.specforge_features import training_split
     from eaglet.shared.samples import SampleSet
     from eaglet.shared.store import sample_path, samples_dir
 
-    run_id = P.RESULTS["h2h-extract"]["run_id"]
+    run_id = run_id or P.RESULTS["h2h-extract"]["run_id"]
     samples = SampleSet(samples_dir(P.DATA, run_id))
     rows = []
     for i in range(len(samples)):
@@ -52,16 +54,24 @@ STOP_GRACE_S = 15  # a stopped trainer's checkpoint, within the call's margin pa
 
 
 def run_trainers(
-    jobs: list[tuple[dict, str, list[str]]], pythonpath: str, env: dict, timeout: float, probe_dir: Path = P.OUT
+    jobs: list[tuple[dict, str, list[str]]],
+    pythonpath: str,
+    env: dict,
+    timeout: float,
+    probe_dir: Path = P.OUT,
+    own: dict[str, tuple[str, dict]] | None = None,
 ) -> list[dict]:
     """Trainer processes (record, name, argv) started together on the one GPU and waited for together, as
-    ``run_trainer`` does for one; the peak GPU memory is theirs together."""
+    ``run_trainer`` does for one; the peak GPU memory is theirs together. ``own``: a job's name -> its own
+    (pythonpath, env), for another trainer's environment beside eaglet's."""
+    own = own or {}
     timeout = min(timeout, h2h.time_left())
     t = time.time()
     with GpuMemory() as mem:
         for R, name, argv in jobs:
             R["cmd"] = " ".join(argv[1:])
-            P.start(name, argv, pythonpath, {**env, "PROBE_OUT": str(probe_dir / f"{name}-probe.json")})
+            path, job_env = own.get(name, (pythonpath, env))
+            P.start(name, argv, path, {**job_env, "PROBE_OUT": str(probe_dir / f"{name}-probe.json")})
         ended: dict[str, float] = {}
         while len(ended) < len(jobs) and time.time() - t < timeout:
             ended |= {n: time.time() for _, n, _ in jobs if n not in ended and P.PROCS[n].poll() is not None}
@@ -123,6 +133,21 @@ def estimate_specforge() -> float:
     return h2h.SPECFORGE_START_S + convert_s + -(-len(rows) // batch_size) * h2h.EPOCHS * SPECFORGE_S_PER_STEP
 
 
+def specforge_features(run_id: str, rows: list[tuple[int, str, int]], feats: Path, method: str = "eagle3") -> dict:
+    """The stored samples ``rows`` of ``run_id`` as SpecForge's offline features for ``method`` under ``feats``
+    (12 processes); what was written and in how long."""
+    from bench.gpu.specforge_features import convert
+    from eaglet.shared.store import sample_path
+
+    feats.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    jobs = [(i, sid, str(sample_path(P.DATA, run_id, sid))) for i, sid, _ in rows]
+    chunks = [jobs[k : k + 256] for k in range(0, len(jobs), 256)]
+    with ProcessPoolExecutor(12) as ex:
+        tokens = sum(ex.map(partial(convert, out_dir=str(feats), method=method), chunks))
+    return {"samples": len(jobs), "tokens": tokens, "wall_s": round(time.time() - t, 1)}
+
+
 def phase_eaglet() -> None:
     if h2h.done("h2h-eaglet"):
         return
@@ -145,20 +170,14 @@ def phase_eaglet() -> None:
 def phase_specforge() -> None:
     if h2h.done("h2h-specforge"):
         return
-    from bench.gpu.specforge_features import convert, run_config, target_view
-    from eaglet.shared.store import sample_path
+    from bench.gpu.specforge_features import run_config, target_view
 
     P.stop(h2h.SERVER)  # the GPU to the trainer alone
     R = P.RESULTS.setdefault("h2h-specforge", {})
     run_id = P.RESULTS["h2h-extract"]["run_id"]
     rows = training_rows()
     feats = h2h.H2H / "sf-features"
-    feats.mkdir(parents=True, exist_ok=True)
-    t = time.time()
-    jobs = [(i, sid, str(sample_path(P.DATA, run_id, sid))) for i, sid, _ in rows]
-    with ProcessPoolExecutor(12) as ex:
-        tokens = sum(ex.map(convert, [jobs[k : k + 256] for k in range(0, len(jobs), 256)], [str(feats)] * len(jobs)))
-    R["convert"] = {"samples": len(jobs), "tokens": tokens, "wall_s": round(time.time() - t, 1)}
+    R["convert"] = specforge_features(run_id, rows, feats)
     P.save("h2h-specforge")
     batches, batch_size = specforge_batch(rows)
     cfg = run_config(target_view(h2h.SMOL, P.MODELS / "smollm2-specforge"), feats, h2h.H2H / "sf-run",
