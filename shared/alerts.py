@@ -1,8 +1,9 @@
 """The thresholds of the status figures and the rules that raise a run's alerts (stalled, workers or trainer lost,
-disk, error rate) from its figures."""
+disk, error rate, served acceptance far below its prediction) from its figures."""
 
 from dataclasses import dataclass
 
+from .acceptance import LIKELY_CAUSES, SERVED_FLOOR, served_shortfall
 from .records import (
     ACTIVE_STAGES,
     HEARTBEAT_INTERVAL_S,
@@ -119,7 +120,17 @@ def run_alerts(
     ):
         given_up = f"regeneration: {rg.error_rate:.1%} of prompts given up"
         alerts.append(Alert(kind="error_rate", message=f"{given_up}, above {config.error_rate_threshold:.1%}"))
+    ev = run.evaluation
+    served, predicted = _number(ev.get("accept_length")), _number(ev.get("predicted_accept_length"))
+    if ev.get("state") == "done" and served_shortfall(served, predicted):
+        alerts.append(Alert(kind="served_acceptance", message=(
+            f"served accept length {served:.2f} ({ev.get('engine') or 'engine'}) is below {SERVED_FLOOR:.0%} of the "
+            f"{predicted:.2f} its held-out accuracy predicts: check {LIKELY_CAUSES}")))  # fmt: skip
     return alerts
+
+
+def _number(value: float | str | None) -> float | None:
+    return value if isinstance(value, (int, float)) else None
 
 
 def stall_limit(usual: float | None, config: StatusConfig) -> float:

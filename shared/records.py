@@ -294,6 +294,11 @@ class EvalResult(HashRecord):
     target_tok_s: float | None = None
     spec_tok_s: float | None = None
     mismatches: int | None = None
+    predicted_accept_length: float | None = None
+    """What the run's held-out accuracy per draft position predicts at this ``k`` (shared/acceptance.py): served
+    far below it, the engine is not running the drafter as trained."""
+    engine: str | None = None
+    """The engine that decoded: ``reference`` (eaglet's own speculative decoding)."""
     started_at: float | None = None
     updated_at: float | None = None
     finished_at: float | None = None

@@ -7,7 +7,7 @@ from pydantic import BaseModel, Field
 
 from .records import GpuRole, GpuStat, Stage, WorkerRole
 
-AlertKind = Literal["stalled", "workers_lost", "trainer_lost", "disk", "error_rate"]
+AlertKind = Literal["stalled", "workers_lost", "trainer_lost", "disk", "error_rate", "served_acceptance"]
 
 
 class ErrorEntry(BaseModel):

@@ -227,7 +227,12 @@ def _evaluation(ev: EvalResult) -> str:
         else f"{count(ev.mismatches)} outputs differ from plain greedy"
     )
     speed = f", {ev.speedup:.2f}× the target's speed here" if ev.speedup is not None else ""
-    return f"accept length {figure(ev.accept_length)} {on}, {equal}{speed}"
+    predicted = (
+        f" (predicted {figure(ev.predicted_accept_length)} from held-out accuracy)"
+        if ev.predicted_accept_length is not None
+        else ""
+    )
+    return f"accept length {figure(ev.accept_length)}{predicted} {on}, {equal}{speed}"
 
 
 def _brief(

@@ -2,6 +2,7 @@
 
 import json
 from collections.abc import Callable, Iterator
+from typing import get_args
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -12,7 +13,7 @@ from eaglet.shared.runstate import Stage
 from eaglet.shared.status import read_status
 from eaglet.shared.statusreport import AlertKind, StatusReport
 
-ALERT_KINDS: tuple[AlertKind, ...] = ("stalled", "workers_lost", "trainer_lost", "disk", "error_rate")
+ALERT_KINDS: tuple[AlertKind, ...] = get_args(AlertKind)
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:

@@ -25,6 +25,7 @@ from eaglet.services.trainer.checkpoint import is_dflash, load_dflash, load_draf
 from eaglet.services.trainer.dflash import DFlashDrafter
 from eaglet.services.trainer.model import Drafter
 from eaglet.services.trainer.speculative import SpecStats, dflash_generate, greedy_generate, speculative_generate
+from eaglet.shared.acceptance import predicted_accept_length
 from eaglet.shared.config import Settings
 from eaglet.shared.connections import connect
 from eaglet.shared.logs import setup_logging
@@ -158,11 +159,16 @@ def evaluate_run(
 
     if state is not None:
         now = time.time()
+        # the figure the drafter's training predicts for this chain, served beside it: far below, it was not
+        # served as trained (shared/acceptance.py)
+        predicted = predicted_accept_length(state.train().heldout_acc, k)
         state.replace_eval(
             EvalResult(
-                state="running", prompts=len(ids), k=k, max_new_tokens=max_new_tokens, started_at=now, updated_at=now
+                state="running", prompts=len(ids), k=k, max_new_tokens=max_new_tokens, engine="reference",
+                predicted_accept_length=None if predicted is None else round(predicted, 4),
+                started_at=now, updated_at=now,
             )
-        )
+        )  # fmt: skip
     log.info("run %s: evaluating %d prompts, k=%d, up to %d new tokens", run_id, len(ids), k, max_new_tokens)
     figures = run_eval(
         target, drafter, tokenizer, ids, k=k, max_new_tokens=max_new_tokens, layer_ids=layer_ids, report=report
