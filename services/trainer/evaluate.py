@@ -160,8 +160,9 @@ def evaluate_run(
     if state is not None:
         now = time.time()
         # the figure the drafter's training predicts for this chain, served beside it: far below, it was not
-        # served as trained (shared/acceptance.py)
-        predicted = predicted_accept_length(state.train().heldout_acc, k)
+        # served as trained (shared/acceptance.py); only for the run's own drafter, whose held-out figures they are
+        own = folder.resolve() == drafter_dir(data_dir, run_id).resolve()
+        predicted = predicted_accept_length(state.train().heldout_acc, k) if own else None
         state.replace_eval(
             EvalResult(
                 state="running", prompts=len(ids), k=k, max_new_tokens=max_new_tokens, engine="reference",
