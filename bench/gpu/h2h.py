@@ -37,7 +37,8 @@ SERVER = "h2h-sgl"
 # SpecForge's own environment: its staged folder, the `datasets` stand-in, SGLang 0.5.17's transformers
 PY_SPECFORGE = os.environ.get("H2H_SPECFORGE_PATH", f"{P.S}/sfsite:{P.REPO}/bench/gpu/shims:{P.S}/site")
 GEN_EXTRA = ["--mem-fraction-static", "0.6", "--cuda-graph-max-bs", "256", "--chunked-prefill-size", "8192"]
-EVAL_EXTRA = ["--mem-fraction-static", "0.5", "--disable-cuda-graph"]
+# H2H_EVAL_FLAGS, when set, replaces them (it must keep --mem-fraction-static, which shared servers lower)
+EVAL_EXTRA = os.environ.get("H2H_EVAL_FLAGS", "--mem-fraction-static 0.5 --disable-cuda-graph").split()
 # the layers the plugin server captures (eaglet's ids, comma-separated; unset: EAGLE-3's default three): a DFlash
 # sequence needs DFlash's five, and one server captures the union for runs of both methods
 CAPTURE = [int(x) for x in os.environ.get("H2H_AUX_LAYER_IDS", "").split(",") if x.strip()]
