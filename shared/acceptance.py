@@ -33,3 +33,19 @@ def predicted_accept_length(heldout_acc: list[float] | None, positions: int) -> 
 def served_shortfall(served: float | None, predicted: float | None) -> bool:
     """Whether ``served`` is below SERVED_FLOOR of ``predicted`` (both known)."""
     return served is not None and predicted is not None and served < SERVED_FLOOR * predicted
+
+
+def position_acceptance(histograms: list[list[int]]) -> dict:
+    """Summed per-request histograms (entry n: verify steps that accepted exactly n drafts, SGLang's
+    ``spec_accept_histogram``) -> ``accepted_drafts_histogram`` (the sum) and ``accept_rate_per_position``: the share
+    of verify steps whose draft at position k (1-based) was accepted, i.e. that accepted at least k drafts. Empty
+    without a verify step."""
+    total: list[int] = []
+    for h in histograms:
+        total += [0] * (len(h) - len(total))
+        total = [a + int(b) for a, b in zip(total, h + [0] * (len(total) - len(h)), strict=True)]
+    steps = sum(total)
+    if not steps:
+        return {}
+    return {"accepted_drafts_histogram": total,
+            "accept_rate_per_position": [round(sum(total[k:]) / steps, 4) for k in range(1, len(total))]}  # fmt: skip

@@ -298,7 +298,12 @@ class EvalResult(HashRecord):
     """What the run's held-out accuracy per draft position predicts at this ``k`` (shared/acceptance.py): served
     far below it, the engine is not running the drafter as trained."""
     engine: str | None = None
-    """The engine that decoded: ``reference`` (eaglet's own speculative decoding)."""
+    """The engine that decoded: ``reference`` (eaglet's own speculative decoding) or ``sglang`` (the target alone,
+    then with the drafter, each in its own SGLang server; services/trainer/served.py)."""
+    engine_flags: str | None = None
+    """The flags of the server that served the drafter (``sglang``): the chain, the drafter, the extra flags."""
+    target_quantization: str | None = None
+    """How the engine quantized the target (``fp8``); None: as stored. The drafter is never quantized."""
     started_at: float | None = None
     updated_at: float | None = None
     finished_at: float | None = None

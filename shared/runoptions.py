@@ -27,6 +27,7 @@ Overlong = Literal["truncate", "reject"]
 StoreDtype = Literal["model", "bf16", "fp8"]
 Reasoning = Literal["think_tags", "drop"]
 Method = Literal["eagle3", "dflash"]
+EvalEngine = Literal["reference", "sglang"]
 MIN_MAX_TOKENS = 2
 DEFAULT_TOPK = DEFAULT_LAYOUT.topk
 
@@ -126,6 +127,9 @@ class RunOptions:
     order the drafter reads them; each worker takes them out of what its server captures (``EAGLET_AUX_LAYER_IDS``),
     which may be more. None: the method's default for the target, fixed here at ingest (``eagle3``:
     ``default_layer_ids(L)``; ``dflash``: ``dflash_layer_ids(L, DFLASH_DEFAULT_DRAFT_LAYERS)``)."""
+    eval_engine: EvalEngine = "reference"
+    """The engine the evaluation after training decodes in (``eaglet eval --engine``): ``reference`` (eaglet's own
+    speculative decoding) or ``sglang`` (the drafter served by SGLang, beside the target alone)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.regenerate, dict):  # read back from the run's record (JSON)
@@ -149,6 +153,8 @@ class RunOptions:
             problem = layer_ids_problem(self.aux_layer_ids, None, count)
             if problem:
                 raise ValueError(f"aux_layer_ids={self.aux_layer_ids} (method {self.method}): {problem}")
+        if self.eval_engine not in get_args(EvalEngine):
+            raise ValueError(f"eval_engine={self.eval_engine!r}: use one of {', '.join(get_args(EvalEngine))}")
 
     def layer_ids(self, num_layers: int) -> list[int]:
         """The layers the run stores for a target of ``num_layers`` layers; ``ValueError`` for ids it lacks."""

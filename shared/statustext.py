@@ -216,7 +216,9 @@ def _training(run: RunStatus, progress: TrainProgress) -> str:
 def _evaluation(ev: EvalResult) -> str:
     if ev.state == "failed":
         return f"failed: {ev.error or 'no reason recorded'}"
-    on = f"at k {count(ev.k)} on {count(ev.prompts)} held-out prompts"
+    quantized = f" ({ev.target_quantization} target)" if ev.target_quantization else ""
+    served = f" in {ev.engine}{quantized}" if ev.engine not in (None, "reference") else ""
+    on = f"at k {count(ev.k)} on {count(ev.prompts)} held-out prompts{served}"
     if ev.state != "done":
         done = f"{count(ev.prompts_done or 0)} / {count(ev.prompts)} prompts"
         so_far = f", accept length {figure(ev.accept_length)} so far" if ev.accept_length is not None else ""

@@ -206,13 +206,16 @@ def main(argv: list[str] | None = None) -> int:
             state.start_training()
         train(redis=redis, run_id=args.run, data_dir=settings.data_dir, target_dir=target_dir, cfg=cfg, env=env)
         if args.eval_prompts is not None and env.main:
-            from eaglet.services.trainer.evaluate import evaluate_run
+            from eaglet.services.trainer.evaluate import EvalSettings, evaluate_run, served_config
 
+            options = state.meta().options
+            engine = options.eval_engine if options is not None else "reference"  # the run's eval_engine option
             state.start_evaluating()
             evaluate_run(
                 redis=redis, run_id=args.run, data_dir=settings.data_dir, target_dir=target_dir,
                 prompts=args.eval_prompts, k=args.eval_k, max_new_tokens=args.eval_max_new_tokens,
                 num_prompts=args.eval_num_prompts,
+                served=served_config(EvalSettings()) if engine == "sglang" else None,
             )  # fmt: skip
         if env.main:
             state.finish()

@@ -158,3 +158,7 @@ def test_an_evaluating_run_says_how_far_its_evaluation_is(redis):
     assert (
         run.lines["evaluation"] == "evaluating at k 2 on 10 held-out prompts: 4 / 10 prompts, accept length 1.30 so far"
     )
+    state.update_eval(EvalResult(engine="sglang", target_quantization="fp8"))
+    run = read_run(redis, "r1", config=CONFIG).run
+    assert run.lines["evaluation"].startswith("evaluating at k 2 on 10 held-out prompts in sglang (fp8 target): 4 / 10")
+    assert run.evaluation["engine"] == "sglang" and run.evaluation["target_quantization"] == "fp8"
