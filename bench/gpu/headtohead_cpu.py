@@ -67,6 +67,8 @@ def reference_server(graphs: bool = True) -> None:
     P.redis_up()
     env = {"EAGLET_MODEL": str(H.SMOL), "EAGLET_DUMP_DIR": str(P.DUMPS), "EAGLET_DEVICE": "cpu",
            "EAGLET_HOST": "127.0.0.1"}  # fmt: skip
+    if H.CAPTURE:  # the layers the run names (H2H_AUX_LAYER_IDS), as the plugin server is told them
+        env["EAGLET_AUX_LAYER_IDS"] = ",".join(map(str, H.CAPTURE))
     argv = [sys.executable, "-m", "eaglet.services.inference.main", "--port", str(P.SGL_PORT)]
     P.start(H.SERVER, argv, P.PY_EAGLET, env)
     P.wait_health(H.SERVER, P.SGL_PORT, 120)
