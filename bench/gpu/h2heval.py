@@ -63,6 +63,8 @@ def decode(
                            for t in meta.get("output_top_logprobs") or []]  # fmt: skip
         return out
 
+    from eaglet.shared.acceptance import position_acceptance
+
     h2h.fan_out(one, prompts[:4], 4)  # warm-up
     t = time.time()
     outs = h2h.fan_out(one, prompts, concurrency)
@@ -79,7 +81,7 @@ def decode(
         "wall_s": round(wall, 2),
         "output_tokens_per_s": round(tokens / wall, 1),
         "accept_length": round(tokens / verifies, 4) if verifies else None,
-        **h2hreport.position_acceptance([o["hist"] for o in ok]),
+        **position_acceptance([o["hist"] for o in ok]),
         "texts": [o.get("text") for o in outs],
         **{k: [o.get(k) for o in outs] for k, on in (("ids", ids), ("gaps", gaps)) if on},
     }

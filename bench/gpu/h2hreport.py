@@ -67,20 +67,6 @@ def agree(a: dict | None) -> str:
     return "—" if not a else f"{a['same']}/{a['of']}"
 
 
-def position_acceptance(histograms: list[list[int]]) -> dict:
-    """Summed per-request histograms (entry n: verify steps that accepted exactly n drafts) -> the share of verify
-    steps whose draft at position k (1-based) was accepted, i.e. that accepted at least k drafts."""
-    total: list[int] = []
-    for h in histograms:
-        total += [0] * (len(h) - len(total))
-        total = [a + int(b) for a, b in zip(total, h + [0] * (len(total) - len(h)), strict=True)]
-    steps = sum(total)
-    if not steps:
-        return {}
-    return {"accepted_drafts_histogram": total,
-            "accept_rate_per_position": [round(sum(total[k:]) / steps, 4) for k in range(1, len(total))]}  # fmt: skip
-
-
 def first_difference(a, b) -> int:
     """Where two sequences (texts or token ids) first differ: the length of their common prefix."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

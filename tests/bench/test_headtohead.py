@@ -153,14 +153,6 @@ def test_step_counts_read_back_from_redis_as_strings_are_formatted():
     assert h2hreport.fmt("n/a") == "n/a"
 
 
-def test_acceptance_per_position_from_sglangs_histograms():
-    # entry n: verify steps that accepted exactly n drafts; two requests, chain of 3 drafts
-    s = h2hreport.position_acceptance([[2, 1, 1, 0], [0, 3, 2, 1]])
-    assert s["accepted_drafts_histogram"] == [2, 4, 3, 1]
-    assert s["accept_rate_per_position"] == [0.8, 0.4, 0.1]
-    assert h2hreport.position_acceptance([[], []]) == {}
-
-
 def test_agreement_counts_equal_outputs_and_where_the_others_part():
     a = h2hreport.agreement(["abcdef", "xyz", "abcd", None], ["abcdef", "xbz", "abzz", "q"])
     assert a["same"] == 1 and a["of"] == 4
