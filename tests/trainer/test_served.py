@@ -107,6 +107,9 @@ def test_position_acceptance_from_histograms():
         "accepted_drafts_histogram": [1, 3, 3], "accept_rate_per_position": [round(6 / 7, 4), round(3 / 7, 4)],
     }  # fmt: skip
     assert position_acceptance([[], []]) == {}
+    # requests of unequal histogram lengths (chain of 3 drafts): summed [2, 4, 3, 1] over 10 steps
+    s = position_acceptance([[2, 1, 1, 0], [0, 3, 2, 1]])
+    assert s["accepted_drafts_histogram"] == [2, 4, 3, 1] and s["accept_rate_per_position"] == [0.8, 0.4, 0.1]
     decoded = served.Decoded(texts=["a"], completion_tokens=21, verify_steps=7, histogram=[1, 3, 3], wall_s=2.0)
     assert decoded.accept_length == 3.0 and decoded.accept_rate == [0.8571, 0.4286] and decoded.tok_s == 10.5
 
