@@ -226,6 +226,9 @@ class TrainProgress(HashRecord):
     pid: int | None = None
     follow_attempts: int | None = None
     """Trainings the trainer service started for the run, resumptions included."""
+    selection: str | None = None
+    """Which kept epoch's drafter the run exported and on what figure (``--select-by``, ``selection.py``); None:
+    the last one, nothing chosen."""
     unreadable_samples: int | None = None
     """Samples whose stored file the trainer could not read (truncated, a bad header), each counted once: skipped,
     each one's error among the run's errors."""

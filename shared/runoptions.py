@@ -28,6 +28,7 @@ StoreDtype = Literal["model", "bf16", "fp8"]
 Reasoning = Literal["think_tags", "drop"]
 Method = Literal["eagle3", "dflash"]
 EvalEngine = Literal["reference", "sglang"]
+SelectBy = Literal["last", "predicted", "served"]
 MIN_MAX_TOKENS = 2
 DEFAULT_TOPK = DEFAULT_LAYOUT.topk
 
@@ -130,6 +131,12 @@ class RunOptions:
     eval_engine: EvalEngine = "reference"
     """The engine the evaluation after training decodes in (``eaglet eval --engine``): ``reference`` (eaglet's own
     speculative decoding) or ``sglang`` (the drafter served by SGLang, beside the target alone)."""
+    select_by: SelectBy = "last"
+    """Which epoch's drafter the run exports (``eaglet train --select-by``, services/trainer/selection.py): the
+    ``last``, the best ``predicted`` by its held-out accuracy, or the best ``served`` of the ``select_top`` best
+    predicted, each decoded by ``eval_engine`` (needs the trainer's evaluation prompts)."""
+    select_top: Annotated[int, Field(ge=1)] = 2
+    """Epochs serve-tested with ``select_by: served``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.regenerate, dict):  # read back from the run's record (JSON)
@@ -153,6 +160,10 @@ class RunOptions:
             problem = layer_ids_problem(self.aux_layer_ids, None, count)
             if problem:
                 raise ValueError(f"aux_layer_ids={self.aux_layer_ids} (method {self.method}): {problem}")
+        if self.select_by not in get_args(SelectBy):
+            raise ValueError(f"select_by={self.select_by!r}: use one of {', '.join(get_args(SelectBy))}")
+        if self.select_top < 1:
+            raise ValueError(f"select_top={self.select_top}: serve-test at least 1 epoch")
         if self.eval_engine not in get_args(EvalEngine):
             raise ValueError(f"eval_engine={self.eval_engine!r}: use one of {', '.join(get_args(EvalEngine))}")
 

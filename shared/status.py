@@ -469,6 +469,7 @@ def _training(stage: Stage, meta: RunMeta, progress: TrainProgress, now: float) 
         tokens_per_s=progress.tokens_per_s,
         eta_s=eta,
         last_checkpoint=progress.last_checkpoint,
+        selection=progress.selection,
         state=state,
         error=meta.error if state == "failed" else None,
         unreadable_samples=progress.unreadable_samples or 0,

@@ -106,6 +106,9 @@ class Training(BaseModel):
     tokens_per_s: float | None
     eta_s: float | None
     last_checkpoint: str | None
+    selection: str | None = Field(
+        None, description="Which kept epoch's drafter the run exported and on what figure (--select-by); None: the last"
+    )
     state: str | None = Field(description="The trainer's state, from the run's stage: waiting, training, done, failed")
     error: str | None = Field(description="Why the training failed, when it did")
     unreadable_samples: int = Field(

@@ -199,9 +199,10 @@ def _training(run: RunStatus, progress: TrainProgress) -> str:
     figures = " · ".join(filter(None, (f"loss {figure(tr.loss)}", accuracy)))
     if progress.finished_at is not None and progress.started_at is not None:
         heldout = f" · held-out loss {figure(progress.heldout_loss)}" if progress.heldout_loss is not None else ""
+        chosen = f" · exported the drafter of {tr.selection}" if tr.selection else ""
         return (
             f"{count(tr.step)} steps in {duration(progress.finished_at - progress.started_at)} · final {figures}"
-            f"{heldout}"
+            f"{heldout}{chosen}"
         )
     if tr.state == "failed":
         return f"stopped at step {count(tr.step)} of {count(tr.total_steps)} · {figures}"

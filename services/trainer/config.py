@@ -103,6 +103,10 @@ class TrainConfig:
     """Optimizer steps between checkpoints (each followed by a held-out evaluation)."""
     keep_checkpoints: int = 2
     """Newest trainer checkpoints kept; older ones are deleted."""
+    keep_epochs: bool = False
+    """Keep each epoch's drafter and its held-out figures in ``<run>/epochs/<epoch>/``, the candidates ``--select-by``
+    chooses from (``selection.py``; ``eaglet train --select-by`` other than ``last`` sets it). A checkpoint and a
+    held-out pass end every epoch then."""
     heldout_fraction: float = 0.05
     """Share of the samples held out of training (chosen by a hash of the sample id) to measure loss on."""
     seed: int = 0

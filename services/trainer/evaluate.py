@@ -185,6 +185,14 @@ def load_reference(target_dir: Path, folder: Path) -> tuple[torch.nn.Module, Dra
     return target, drafter, layer_ids
 
 
+def positions(drafter: Path, k: int, served: ServedConfig | None) -> int:
+    """Draft positions a round verifies: a DFlash drafter's block less the verified token (in either engine, whatever
+    ``k`` says), else ``k`` in the reference engine and the chain's steps in SGLang."""
+    if served is not None:
+        return drafted_positions(drafter, served.chain)
+    return drafted_positions(drafter, None) if is_dflash(drafter) else k
+
+
 def evaluate_run(
     *, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, prompts: Path, k: int = 4,
     max_new_tokens: int = 128, num_prompts: int = 0, drafter_path: Path | None = None,
@@ -195,12 +203,9 @@ def evaluate_run(
     engine: EvalEngine = "reference" if served is None else "sglang"
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     folder = Path(drafter_path or drafter_dir(data_dir, run_id))
+    k = positions(folder, k, served)
     if served is None:
         target, drafter, layer_ids = load_reference(target_dir, folder)
-        if isinstance(drafter, DFlashDrafter):  # a block a round: every drafted position is verified, whatever k says
-            k = drafter.cfg.block_size - 1
-    else:
-        k = drafted_positions(folder, served.chain)
     ids = load_prompts(prompts, tokenizer, num_prompts)
     state = RunState(redis, run_id) if redis is not None else None
 
@@ -224,15 +229,21 @@ def evaluate_run(
         )  # fmt: skip
     log.info("run %s: evaluating %d prompts in %s, k=%d, up to %d new tokens", run_id, len(ids), engine, k,
              max_new_tokens)  # fmt: skip
-    if served is None:
-        figures = run_eval(
-            target, drafter, tokenizer, ids, k=k, max_new_tokens=max_new_tokens, layer_ids=layer_ids, report=report
-        )
-    else:
-        if torch.cuda.is_initialized():  # a trainer's cached blocks, freed before SGLang sizes its pool by what is free
-            torch.cuda.empty_cache()
-        figures = serve_eval(target_dir=target_dir, drafter_dir=folder, prompts=ids, max_new_tokens=max_new_tokens,
-                             cfg=served, log_dir=run_dir(data_dir, run_id) / "eval", report=report)  # fmt: skip
+    try:
+        if served is None:
+            figures = run_eval(
+                target, drafter, tokenizer, ids, k=k, max_new_tokens=max_new_tokens, layer_ids=layer_ids, report=report
+            )
+        else:
+            if (
+                torch.cuda.is_initialized()
+            ):  # a trainer's cached blocks, freed before SGLang sizes its pool by what is free
+                torch.cuda.empty_cache()
+            figures = serve_eval(target_dir=target_dir, drafter_dir=folder, prompts=ids, max_new_tokens=max_new_tokens,
+                                 cfg=served, log_dir=run_dir(data_dir, run_id) / "eval", report=report)  # fmt: skip
+    except Exception as e:  # the record says so, whoever called: eaglet eval or the trainer's hand-off
+        report({"state": "failed", "error": f"{type(e).__name__}: {e}", "finished_at": time.time()})
+        raise
     report({"state": "done", "finished_at": time.time()})
     log.info(
         "run %s: acceptance length %s, per position %s, speed-up %.2fx, mismatches %d (%s)",
@@ -314,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     except Exception as e:
         log.error("run %s: evaluation failed", args.run, exc_info=True)
-        state.update_eval(EvalResult(state="failed", error=f"{type(e).__name__}: {e}"))
+        state.update_eval(EvalResult(state="failed", error=f"{type(e).__name__}: {e}"))  # also before it started
         return 1
     if figures["mismatches"] and served is not None:  # other batch shapes may pick the other token at a near-tie
         log.warning("run %s: %d outputs differ from the target alone's in SGLang", args.run, figures["mismatches"])

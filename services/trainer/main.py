@@ -25,11 +25,12 @@ import time
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import torch.distributed as dist
 from redis.exceptions import RedisError
 
+from eaglet.services.trainer import selection
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.distributed import Dist, init_distributed
 from eaglet.services.trainer.preemption import Preempted
@@ -40,7 +41,9 @@ from eaglet.shared.connections import connect
 from eaglet.shared.gpus import SETTING, GpuHandoffError, check_handoff, cuda_devices, visible_gpus
 from eaglet.shared.logs import setup_logging
 from eaglet.shared.records import GPUS_RELEASED, LOST_AFTER_BEATS, GpuRole, TrainProgress
+from eaglet.shared.runoptions import RunOptions, SelectBy
 from eaglet.shared.runstate import RunState, StageRefused
+from eaglet.shared.store import drafter_dir
 from eaglet.shared.target import resolve_model_dir
 
 if TYPE_CHECKING:
@@ -68,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-k", type=int, default=4, help="draft tokens per round in the evaluation")
     p.add_argument("--eval-max-new-tokens", type=int, default=128)
     p.add_argument("--eval-num-prompts", type=int, default=0, help="0: all")
+    p.add_argument("--select-by", choices=get_args(SelectBy),
+                   help="the drafter exported: the last epoch's, the best predicted from held-out accuracy, or the "
+                   "best served of --select-top (default: the run's select_by option, else last)")  # fmt: skip
+    p.add_argument("--select-top", type=int, help="epochs serve-tested by --select-by served (default: the run's "
+                   "select_top option, 2)")  # fmt: skip
     return p
 
 
@@ -177,8 +185,39 @@ def heartbeat(state: RunState, interval_s: float, stop: threading.Event, host: s
         gpustats.forget(state.redis, GpuRole.trainer, host)
 
 
+def hand_off(state: RunState, args: argparse.Namespace, settings: Settings, target_dir: Path, engine: str,
+             select_by: SelectBy, top: int) -> None:  # fmt: skip
+    """After training (rank 0): the drafter chosen among the kept epochs (``--select-by``), then the evaluation of
+    the exported one, in the run's ``eval_engine``."""
+    from eaglet.services.trainer.evaluate import EvalSettings, evaluate_run, positions, served_config
+
+    served = served_config(EvalSettings()) if engine == "sglang" else None
+    evaluation = dict(
+        data_dir=settings.data_dir, target_dir=target_dir, k=args.eval_k, max_new_tokens=args.eval_max_new_tokens,
+        num_prompts=args.eval_num_prompts, served=served,
+    )  # fmt: skip
+    drafter = drafter_dir(settings.data_dir, state.run_id)
+    if select_by != "last":
+
+        def serve(folder: Path) -> float | None:  # a candidate decoded, no record written: the winner's comes next
+            figures = evaluate_run(redis=None, run_id=state.run_id, prompts=args.eval_prompts, drafter_path=folder,
+                                   **evaluation)  # fmt: skip
+            return figures["accept_length"]
+
+        selection.select(state, drafter.parent, drafter, select_by, top,
+                         positions(drafter, args.eval_k, served), serve)  # fmt: skip
+    if args.eval_prompts is not None:
+        state.start_evaluating()
+        evaluate_run(redis=state.redis, run_id=state.run_id, prompts=args.eval_prompts, **evaluation)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.select_by == "served" and args.eval_prompts is None:
+        parser.error("--select-by served decodes each candidate: give --eval-prompts")
+    if args.select_top is not None and args.select_top < 1:
+        parser.error("--select-top: serve-test at least 1 epoch")
     cfg = config_from_args(TrainConfig, args)  # bad values fail here, before any waiting
     rank0 = int(os.environ.get("RANK", "0")) == 0  # torchrun's rank, read without touching a GPU
     setup_logging(logging.INFO if rank0 else logging.WARNING)
@@ -204,19 +243,15 @@ def main(argv: list[str] | None = None) -> int:
         target_dir = resolve_model_dir(model, settings.model_cache_dir)
         if env.main:
             state.start_training()
+        options = state.meta().options or RunOptions()
+        select_by, top = args.select_by or options.select_by, args.select_top or options.select_top
+        if select_by == "served" and args.eval_prompts is None:
+            raise ValueError("--select-by served decodes each candidate: give --eval-prompts")
+        if select_by != "last":
+            cfg = dataclasses.replace(cfg, keep_epochs=True)
         train(redis=redis, run_id=args.run, data_dir=settings.data_dir, target_dir=target_dir, cfg=cfg, env=env)
-        if args.eval_prompts is not None and env.main:
-            from eaglet.services.trainer.evaluate import EvalSettings, evaluate_run, served_config
-
-            options = state.meta().options
-            engine = options.eval_engine if options is not None else "reference"  # the run's eval_engine option
-            state.start_evaluating()
-            evaluate_run(
-                redis=redis, run_id=args.run, data_dir=settings.data_dir, target_dir=target_dir,
-                prompts=args.eval_prompts, k=args.eval_k, max_new_tokens=args.eval_max_new_tokens,
-                num_prompts=args.eval_num_prompts,
-                served=served_config(EvalSettings()) if engine == "sglang" else None,
-            )  # fmt: skip
+        if env.main and (select_by != "last" or args.eval_prompts is not None):
+            hand_off(state, args, settings, target_dir, options.eval_engine, select_by, top)
         if env.main:
             state.finish()
         return 0

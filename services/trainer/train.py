@@ -37,7 +37,7 @@ from redis.client import NEVER_DECODE
 from torch import nn
 
 from eaglet.services.trainer import checkpoint as ckpt
-from eaglet.services.trainer import data, memory, onpolicy
+from eaglet.services.trainer import data, memory, onpolicy, selection
 from eaglet.services.trainer.compiled import compile_objective, compile_on
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.curves import curves_dir
@@ -216,6 +216,8 @@ def train(
         with s.stop:
             while s.step < s.total:
                 train_epoch(s, on_step)
+                if cfg.keep_epochs and s.batch == 0 and s.step < s.total:  # an epoch ended, training did not
+                    keep_epoch(s, checkpoint(s))
         final = finish(s)
     finally:
         s.rep.close()
@@ -585,10 +587,20 @@ def save(s: Session) -> Path:
 def finish(s: Session) -> dict:
     """The last checkpoint and held-out figures; returns the final figures (rank 0; the others: {})."""
     final = {"step": s.step, **s.last, **checkpoint(s)}
+    if s.cfg.keep_epochs:
+        keep_epoch(s, final)
     s.rep.set(TrainProgress(**final, finished_at=time.time()))
     figures = {k: final.get(k) for k in ("heldout_loss", "heldout_acc")}
     log.info("run %s: training done at step %d, held-out %s", s.run_id, s.step, figures)
     return final if s.env.main else {}
+
+
+def keep_epoch(s: Session, figures: dict) -> None:
+    """Rank 0 keeps the drafter just exported as the candidate of the epoch that ended (or the part of one training
+    ended in), for ``--select-by``."""
+    if s.env.main:
+        epoch = s.epoch if s.batch == 0 else s.epoch + 1
+        selection.keep(selection.epochs_dir(s.drafter_out.parent), epoch, s.step, s.drafter_out, figures)
 
 
 def heldout(s: Session) -> dict:

@@ -215,7 +215,8 @@ def test_the_trainers_hand_off_follows_the_runs_eval_engine(redis, tmp_path, tin
             "--eval-prompts", str(prompts)]  # fmt: skip
     assert trainer_main.main(args) == 1
     state = RunState(redis, "hand")
-    assert state.eval().engine == "sglang" and state.eval().state == "running"  # started in SGLang, then failed
+    assert state.eval().engine == "sglang" and state.eval().state == "failed"  # started in SGLang, then failed
+    assert "No module named 'sglang'" in (state.eval().error or "")
     error = state.meta().error or ""
     assert "EngineFailed: sglang on http://127.0.0.1:" in error and "No module named 'sglang'" in error
     assert (run_dir(tmp_path, "hand") / "eval" / "sglang-target.log").exists()
