@@ -15,6 +15,7 @@ from eaglet.shared.runstate import RunState
 from eaglet.shared.status import read_status
 from eaglet.shared.store import drafter_dir, run_dir
 from tests.trainer.fixtures import make_run
+from tests.trainer.test_dflash import LAYERS
 
 
 def cand(epoch: int, predicted: float | None, tmp_path) -> Candidate:
@@ -102,3 +103,14 @@ def test_predicted_selection_needs_no_prompts_and_served_without_them_is_refused
     best = max(report["candidates"], key=lambda c: (c["predicted"], c["epoch"]))
     assert report["chosen_epoch"] == best["epoch"] and all(c["served"] is None for c in report["candidates"])
     assert RunState(redis, "pred").eval().state is None  # no prompts: no evaluation
+
+
+def test_a_dflash_run_is_chosen_at_its_blocks_positions(redis, env, tmp_path, tiny_model_dir):
+    make_run(redis, tmp_path, tiny_model_dir, "dfl", n=12, layer_ids=LAYERS,
+             options=RunOptions(method="dflash", aux_layer_ids=LAYERS))  # fmt: skip
+    args = train_args("dfl", tiny_model_dir, "--select-by", "predicted", "--dflash-layers", "2", "--block-size", "4",
+                      "--dflash-anchors", "64")  # fmt: skip
+    assert trainer_main.main(args) == 0
+    report = json.loads((run_dir(tmp_path, "dfl") / "selection.json").read_text())
+    assert report["positions"] == 3 and len(report["candidates"]) == 3  # a block of 4: three drafted positions
+    assert (drafter_dir(tmp_path, "dfl") / "config.json").read_text().count("DFlashDraftModel") == 1
