@@ -135,6 +135,10 @@ UNFINISHED = tuple(s for s in Stage if s not in FINISHED_STAGES)
 TRAINER_RUNNING = (Stage.training, Stage.evaluating)
 
 
+EARLIER_EVALS = 8
+"""Earlier evaluations a run keeps (``RunKeys.evals``), newest first; the status shows them all."""
+
+
 class StageRefused(RuntimeError):
     """The run's stage does not allow the move (a cancelled run is never trained on)."""
 
@@ -219,8 +223,13 @@ class RunState:
             self.redis.hset(self.keys.eval, mapping=fields)
 
     def replace_eval(self, result: EvalResult) -> None:
-        """Starts a new evaluation: the figures of an earlier one are dropped in the same step."""
+        """Starts a new evaluation: the earlier one's figures move, in the same step, to the front of the run's
+        capped list of earlier evaluations (a bf16 target's beside an fp8 one's, each candidate of ``--select-by``)."""
+        earlier = self.redis.hgetall(self.keys.eval)
         pipe = self.redis.pipeline()
+        if earlier:
+            pipe.lpush(self.keys.evals, json.dumps(earlier))
+            pipe.ltrim(self.keys.evals, 0, EARLIER_EVALS - 1)
         pipe.delete(self.keys.eval)
         pipe.hset(self.keys.eval, mapping=result.to_redis())
         pipe.execute()

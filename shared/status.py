@@ -29,7 +29,7 @@ from .records import (
     WorkerBeat,
 )
 from .runoptions import EVERY_STATE, RunOptions
-from .runstate import RECENT_CAP
+from .runstate import EARLIER_EVALS, RECENT_CAP
 from .statusreport import (
     Cluster,
     ErrorEntry,
@@ -122,7 +122,7 @@ def _queue_cluster(pipe) -> None:
     pipe.hgetall(keys.GPUS)
 
 
-RUN_REPLIES = 9
+RUN_REPLIES = 10
 
 
 def _queue_run(pipe, run_id: str, config: StatusConfig) -> None:
@@ -134,6 +134,7 @@ def _queue_run(pipe, run_id: str, config: StatusConfig) -> None:
     pipe.lrange(k.errors, 0, -1)  # capped by the writer (ERRORS_CAP)
     pipe.hgetall(k.train)
     pipe.hgetall(k.eval)
+    pipe.lrange(k.evals, 0, EARLIER_EVALS - 1)
     pipe.hgetall(k.regen)
     pipe.lrange(k.regen_recent, 0, min(RATE_SAMPLES, RECENT_CAP) - 1)
 
@@ -238,9 +239,10 @@ def _worker(name: str, beat: WorkerBeat, age: float, lost: bool) -> WorkerStatus
 
 
 def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now: float) -> RunStatus:
-    raw_meta, raw_counts, in_flight, recent, errors, raw_train, raw_eval, raw_regen, regen_recent = replies[
+    raw_meta, raw_counts, in_flight, recent, errors, raw_train, raw_eval, raw_evals, raw_regen, regen_recent = replies[
         :RUN_REPLIES
     ]
+    earlier = [EvalResult.from_redis(json.loads(e)) for e in raw_evals]
     meta, counts, progress, result, regen = (
         RunMeta.from_redis(raw_meta),
         ExtractionCounts.from_redis(raw_counts),
@@ -265,10 +267,11 @@ def _run(run_id: str, replies: list, cluster: Cluster, config: StatusConfig, now
         storage=storage,
         training=_training(stage, meta, progress, now),
         evaluation=_evaluation(result),
+        earlier_evaluations=[_evaluation(e) for e in earlier],
         alerts=[],
     )
     run.alerts = run_alerts(run, answered if stage == Stage.regenerating else completions, cluster, config, now)
-    run.verdict, run.brief, run.lines = describe(run, meta, progress, result, cluster, now)
+    run.verdict, run.brief, run.lines = describe(run, meta, progress, result, cluster, now, earlier)
     return run
 
 

@@ -135,6 +135,9 @@ class RunStatus(BaseModel):
     storage: Storage
     training: Training
     evaluation: dict[str, float | str] = Field(description="Acceptance length and friends, once evaluated")
+    earlier_evaluations: list[dict[str, float | str]] = Field(
+        [], description="The run's earlier evaluations, newest first (another engine, target quantization, drafter)"
+    )
     alerts: list[Alert]
     verdict: str = Field("", description="In a few words: running, stalled for 3 min ..., waiting for GPUs, "
                          "training, done, failed: reason")  # fmt: skip

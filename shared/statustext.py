@@ -9,6 +9,7 @@ does not have left out.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .records import ACTIVE_STAGES, TRAINER_STAGES, EvalResult, GpuRole, RunMeta, Stage, TrainProgress
@@ -88,7 +89,13 @@ def clock(ts: float | None, now: float) -> str:
 
 
 def describe(
-    run: RunStatus, meta: RunMeta, progress: TrainProgress, evaluation: EvalResult, cluster: Cluster, now: float
+    run: RunStatus,
+    meta: RunMeta,
+    progress: TrainProgress,
+    evaluation: EvalResult,
+    cluster: Cluster,
+    now: float,
+    earlier: Sequence[EvalResult] = (),
 ) -> tuple[str, str, dict[str, str]]:
     """The run's verdict, its brief line, and a line per stage it has, by stage name."""
     verdict = _verdict(run, now)
@@ -102,6 +109,9 @@ def describe(
         lines["training"] = _training(run, progress)
     if evaluation.state is not None:
         lines["evaluation"] = _evaluation(evaluation)
+        if done := [e for e in earlier if e.state == "done"]:
+            more = f" and {len(done) - 3} more" if len(done) > 3 else ""
+            lines["evaluation"] += " · earlier: " + ", ".join(_earlier(e) for e in done[:3]) + more
     return verdict, _brief(run, meta, progress, evaluation, verdict, cluster, now), lines
 
 
@@ -212,6 +222,11 @@ def _training(run: RunStatus, progress: TrainProgress) -> str:
         f"step {count(tr.step)} / {count(tr.total_steps)} ({percent(tr.percent)}) · {figures}{tokens} · "
         f"ETA ~{duration(tr.eta_s)}{checkpoint}"
     )
+
+
+def _earlier(ev: EvalResult) -> str:
+    quantized = f", {ev.target_quantization} target" if ev.target_quantization else ""
+    return f"{figure(ev.accept_length)} ({ev.engine or 'reference'}{quantized})"
 
 
 def _evaluation(ev: EvalResult) -> str:

@@ -10,7 +10,7 @@ from eaglet.shared.heartbeats import beat, report_inference
 from eaglet.shared.layout import bytes_per_token
 from eaglet.shared.records import EvalResult, RunMeta, TrainProgress, WorkerRole, WorkerState
 from eaglet.shared.runoptions import RunOptions
-from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared.runstate import EARLIER_EVALS, RunState, Stage
 from eaglet.shared.status import read_run, read_status
 
 CONFIG = StatusConfig(lost_after_s=10.0)
@@ -162,3 +162,21 @@ def test_an_evaluating_run_says_how_far_its_evaluation_is(redis):
     run = read_run(redis, "r1", config=CONFIG).run
     assert run.lines["evaluation"].startswith("evaluating at k 2 on 10 held-out prompts in sglang (fp8 target): 4 / 10")
     assert run.evaluation["engine"] == "sglang" and run.evaluation["target_quantization"] == "fp8"
+
+
+def test_earlier_evaluations_are_kept_capped_and_shown_beside_the_latest(redis):
+    state = extracting_run(redis, total=1)
+    state.mark_done(0, 10, 400)
+    done = dict(state="done", prompts=10, k=3, mismatches=0, speedup=0.9)
+    state.replace_eval(EvalResult(**done, engine="sglang", accept_length=1.284))
+    state.replace_eval(EvalResult(**done, engine="sglang", target_quantization="fp8", accept_length=1.276))
+    run = read_run(redis, "r1", config=CONFIG).run
+    assert run.evaluation["accept_length"] == 1.276 and run.earlier_evaluations[0]["accept_length"] == 1.284
+    assert run.lines["evaluation"].endswith("· earlier: 1.28 (sglang)")
+    for i in range(EARLIER_EVALS + 3):
+        state.replace_eval(EvalResult(**done, engine="reference", accept_length=1.0 + i / 100))
+    earlier = read_run(redis, "r1", config=CONFIG).run.earlier_evaluations
+    assert len(earlier) == EARLIER_EVALS and earlier[0]["accept_length"] == 1.0 + (EARLIER_EVALS + 1) / 100
+    state.replace_eval(EvalResult(state="running", prompts=10, k=3))  # a failed or running one is listed, not lined
+    line = read_run(redis, "r1", config=CONFIG).run.lines["evaluation"]
+    assert line.endswith("· earlier: 1.10 (reference), 1.09 (reference), 1.08 (reference) and 5 more")
