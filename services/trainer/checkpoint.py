@@ -181,6 +181,22 @@ def load_dflash(drafter_dir: Path, embed: torch.Tensor) -> DFlashDrafter:
     return model
 
 
+HELDOUT = "heldout.json"
+"""Beside an exported drafter's weights: its held-out loss and accuracy per position at the step it was saved, which
+``eaglet eval`` predicts the served accept length from (SGLang and vLLM read config.json and the weights only)."""
+
+
+def heldout_acc(drafter_dir: Path) -> list[float] | None:
+    """The exported drafter's held-out accuracy per position, None when it carries none (a foreign drafter)."""
+    path = Path(drafter_dir) / HELDOUT
+    try:
+        return json.loads(path.read_text())["heldout_acc"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a drafter's held-out figures ({type(e).__name__}: {e})") from e
+
+
 def is_dflash(drafter_dir: Path) -> bool:
     """True when the folder holds a DFlash drafter (SGLang's ``DFlashDraftModel``)."""
     config = json.loads((Path(drafter_dir) / "config.json").read_text())

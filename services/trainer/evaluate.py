@@ -31,7 +31,7 @@ from pydantic import Field
 from redis import Redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eaglet.services.trainer.checkpoint import is_dflash, load_dflash, load_drafter
+from eaglet.services.trainer.checkpoint import heldout_acc, is_dflash, load_dflash, load_drafter
 from eaglet.services.trainer.dflash import DFlashDrafter
 from eaglet.services.trainer.model import Drafter
 from eaglet.services.trainer.served import Chain, ServedConfig, drafted_positions, serve_eval
@@ -216,9 +216,11 @@ def evaluate_run(
     if state is not None:
         now = time.time()
         # the figure the drafter's training predicts for this chain, served beside it: far below, it was not
-        # served as trained (shared/acceptance.py); only for the run's own drafter, whose held-out figures they are
+        # served as trained (shared/acceptance.py). From the figures the export carries; else, for the run's own
+        # drafter, its train record's
         own = folder.resolve() == drafter_dir(data_dir, run_id).resolve()
-        predicted = predicted_accept_length(state.train().heldout_acc, k) if own else None
+        accuracy = heldout_acc(folder) or (state.train().heldout_acc if own else None)
+        predicted = predicted_accept_length(accuracy, k)
         state.replace_eval(
             EvalResult(
                 state="running", prompts=len(ids), k=k, max_new_tokens=max_new_tokens, engine=engine,

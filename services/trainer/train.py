@@ -551,6 +551,8 @@ def checkpoint(s: Session) -> dict:
     path = save(s) if s.env.main else None
     figures = heldout(s)
     s.rep.heldout(s.step, figures)
+    if path is not None and figures:  # the export carries its own held-out figures: the served prediction's input
+        (s.drafter_out / ckpt.HELDOUT).write_text(json.dumps({"step": s.step, **figures}))
     return {"last_checkpoint": str(path), **figures} if path is not None else figures
 
 

@@ -4,6 +4,7 @@ purpose after training, the drafter otherwise intact)."""
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,3 +72,26 @@ def test_a_shuffled_vocabulary_map_raises_the_served_acceptance_alert(redis, tmp
     assert served() < intact
     [message] = served_alerts(redis, "gate")
     assert "vocabulary map" in message and "predicts" in message
+
+
+def test_a_drafter_outside_the_run_is_predicted_from_the_figures_it_carries(redis, tmp_path, tiny_model_dir):
+    make_run(redis, tmp_path, tiny_model_dir, "carry", n=12)
+    cfg = TrainConfig(ttt_steps=2, draft_vocab_size=256, tokens_per_batch=160, max_steps=4, loader_workers=0,
+                      heldout_fraction=0.25)  # fmt: skip
+    variant = tmp_path / "variants" / "one"
+    final = train(redis=None, run_id="carry", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=cfg, env=Dist(),
+                  out_dir=variant)  # fmt: skip
+    folder = variant / "drafter"
+    carried = json.loads((folder / "heldout.json").read_text())
+    assert carried["step"] == 4 and carried["heldout_acc"] == final["heldout_acc"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hello."}) + "\n")
+    run = dict(redis=redis, run_id="carry", data_dir=tmp_path, target_dir=tiny_model_dir, prompts=prompts, k=2,
+               max_new_tokens=4, drafter_path=folder)  # fmt: skip
+    evaluate.evaluate_run(**run)
+    assert RunState(redis, "carry").eval().predicted_accept_length == round(
+        predicted_accept_length(final["heldout_acc"], 2), 4
+    )
+    (folder / "heldout.json").write_text("{")
+    with pytest.raises(ValueError, match=r"heldout\.json: not a drafter's held-out figures"):
+        evaluate.evaluate_run(**run)
