@@ -11,6 +11,8 @@ DFLASH worker, beside the target alone, in one call sequence (bench/gpu/README.m
   dfl-eval     one plain SGLang build: the target alone, then every trained drafter at once (a server each,
                ``--speculative-algorithm DFLASH``), on HumanEval and the held-out prompts, greedy: accept length,
                acceptance per block position, output tokens/s, outputs equal to the target alone's.
+  dfl-served   the product's served stage (``eaglet eval --engine sglang``) on eaglet's drafter, the bf16 target then
+               an fp8 one: the run's record, served beside predicted, and its status lines.
   dfl-report   $OUT/dflash.json: ``rows`` of {method, trainer, prompt_set, accept_length, tokens_per_s}, this call's
                target alone beside them, and eaglet's EAGLE-3 default at (3, 1, 4) as the committed 2026-12-04 run
                measured it (labelled: another day's call).
@@ -18,6 +20,7 @@ DFLASH worker, beside the target alone, in one call sequence (bench/gpu/README.m
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -208,6 +211,56 @@ def phase_eval() -> None:
     )
 
 
+def phase_served() -> None:
+    """The product's served stage on eaglet's DFlash drafter (the first of DFL_LRS): ``eaglet eval --engine sglang``
+    on the held-out prompts with the bf16 target, then with ``--target-quantization fp8``, each writing the run's
+    evaluation record (served beside the accept length the drafter's own held-out figures predict); then the run's
+    status lines, the earlier evaluation among them. DFL_SERVED_ENGINE=reference: the CPU rehearsal's, bf16 only."""
+    from redis import Redis
+
+    from eaglet.shared.alerts import StatusConfig
+    from eaglet.shared.runstate import RunState
+    from eaglet.shared.status import read_run
+
+    R = P.RESULTS.setdefault("dfl-served", {})
+    run_id = P.RESULTS.get("dfl-extract", {}).get("run_id")
+    drafter = P.RESULTS.get("dfl-train", {}).get("drafters", {}).get(drafter_name(LRS[0]), {})
+    if not run_id or drafter.get("rc") != 0:
+        R["error"] = "no trained eaglet DFlash drafter (phases dfl-extract, dfl-train)"
+        return
+    P.stop_all()
+    engine = os.environ.get("DFL_SERVED_ENGINE", "sglang")
+    env = {**P.eaglet_env(h2h.SMOL, P.SGL_PORT),
+           "EAGLET_EVAL_SGLANG_ARGS": " ".join(["--mem-fraction-static", "0.5", "--disable-cuda-graph",
+                                                *P.SGL_BASE[:-2]])}  # fmt: skip
+    redis = Redis.from_url(P.REDIS_URL, decode_responses=True)
+    for quantization in ("", "fp8") if engine == "sglang" else ("",):
+        name = f"dfl-served-{quantization or 'bf16'}"
+        argv = [sys.executable, "-m", "eaglet.cli.main", "eval", "--run", run_id, "--engine", engine,
+                "--prompts", str(h2h.H2H / "heldout.jsonl"), "--model", str(h2h.SMOL), "--drafter",
+                drafter["drafter_dir"], "--max-new-tokens", str(h2h.EVAL_TOKENS),
+                *(["--concurrency", str(h2h.EVAL_CONCURRENCY)] if engine == "sglang" else []),
+                *(["--target-quantization", quantization] if quantization else [])]  # fmt: skip
+        if h2h.time_left() < 150:  # two server starts and the prompts
+            R[name] = {"error": "not run: out of this call's time"}
+            continue
+        proc = P.start(name, argv, P.PY_EAGLET, env)
+        try:
+            rc: int | None = proc.wait(max(1, h2h.time_left(10)))
+        except subprocess.TimeoutExpired:
+            P.stop(name)  # its servers with it: the whole process group
+            rc = None
+        R[name] = {"rc": rc, "cmd": " ".join(argv[2:]), "record": RunState(redis, run_id).eval().to_redis(),
+                   "log_tail": None if rc == 0 else P.tail(name, 30)}  # fmt: skip
+        P.save("dfl-served")
+    report = read_run(redis, run_id, config=StatusConfig())
+    if report is not None:
+        run = report.run
+        R.update(lines=run.lines, earlier_evaluations=run.earlier_evaluations,
+                 alerts=[a.message for a in run.alerts if a.kind == "served_acceptance"])  # fmt: skip
+    R["done"] = all(r.get("rc") == 0 for k, r in R.items() if k.startswith("dfl-served-"))
+
+
 def rows() -> list[dict]:
     """The committed table's rows: each served drafter and the target alone on each prompt set."""
     ev = P.RESULTS.get("dfl-eval", {})
@@ -244,7 +297,7 @@ def rows() -> list[dict]:
 
 
 def phase_report() -> None:
-    for phase in ("dfl-extract", "dfl-train", "dfl-eval"):
+    for phase in ("dfl-extract", "dfl-train", "dfl-eval", "dfl-served"):
         P.save(phase)
     report = {
         "rows": rows(),
@@ -252,16 +305,24 @@ def phase_report() -> None:
         "lrs": LRS,
         "specforge_lrs": SPECFORGE_LRS,
         "epochs": h2h.EPOCHS,
+        "served_stage": P.RESULTS.get("dfl-served", {}),
     }
     (P.OUT / "dflash.json").write_text(json.dumps(report, indent=1, default=str))
     P.RESULTS.setdefault("dfl-report", {})["done"] = True
 
 
-PHASES = {"dfl-extract": phase_extract, "dfl-train": phase_train, "dfl-eval": phase_eval, "dfl-report": phase_report}
+PHASES = {
+    "dfl-extract": phase_extract,
+    "dfl-train": phase_train,
+    "dfl-eval": phase_eval,
+    "dfl-served": phase_served,
+    "dfl-report": phase_report,
+}
 
 ESTIMATE_S = {
     "dfl-extract": lambda: 70 + h2h.conversations() * 0.01,
     "dfl-train": 120,  # any minute of training is kept: a drafter cut off resumes in the next call
     "dfl-eval": 300,  # the target alone (a start, two sets, the repeat), then the drafters' servers together
+    "dfl-served": 260,  # the bf16 and the fp8 target, each a server alone and one with the drafter
     "dfl-report": 5,
 }
