@@ -43,6 +43,7 @@ class RunKeys:
         self.unreadable = f"{base}:train:unreadable"  # SET sample indexes whose stored file the trainer could not read
         self.train_lock = f"{base}:train:lock"  # STRING "host:pid" of the trainer that holds the run, with a TTL
         self.eval = f"{base}:eval"  # HASH: records.EvalResult
+        self.eval_lock = f"{base}:eval:lock"  # STRING "host:pid" of the evaluator that holds the run, with a TTL
         self.evals = f"{base}:evals"  # LIST, newest first, capped: earlier evaluations' EvalResult fields as JSON
         # Capped series (shared/series.py): LIST of JSON points, oldest first; HASH interval, first, last, closed
         self.extraction_series = f"{base}:series:extraction"

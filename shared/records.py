@@ -189,6 +189,11 @@ class RunMeta(HashRecord):
     """When the inference service stopped, leaving its GPUs to the trainer."""
     released_gpus: list[str] | None = None
     """The GPUs the stopped server could use, in the host's numbering (shared/gpus.py); empty: none."""
+    eval_request: str | None = None
+    """The evaluation the trainer left to the evaluation service (services/trainer/evaluator.py), as JSON: the run
+    waits in ``evaluating`` for it; None: the trainer evaluates, or no evaluation."""
+    eval_attempts: int | None = None
+    """Evaluations the evaluation service started for the run (one whose evaluator died is claimed again)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

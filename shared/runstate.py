@@ -268,6 +268,15 @@ class RunState:
     def start_evaluating(self) -> None:
         self._move_or_refuse(Stage.evaluating, TRAINER_RUNNING)
 
+    def request_evaluation(self, request: str) -> None:
+        """The trainer is done and leaves the evaluation (JSON ``request``) to the evaluation service: the run
+        waits in ``evaluating`` until an evaluator finishes it."""
+        if self._move(Stage.evaluating, TRAINER_RUNNING, eval_request=request) is None:
+            raise StageRefused(self.run_id, Stage.evaluating, self.stage())
+
+    def add_eval_attempt(self) -> int:
+        return int(self.redis.hincrby(self.keys.meta, "eval_attempts", 1))
+
     def finish(self) -> None:
         """The drafter is trained (and evaluated, if asked)."""
         self._move_or_refuse(Stage.done, TRAINER_RUNNING)

@@ -62,6 +62,10 @@ class EvalSettings(Settings):
     eval_startup_timeout_s: float = Field(1800.0, gt=0)
     """How long an evaluation server may take to answer its health check."""
 
+    eval_service: bool = False
+    """The trainer leaves what follows training (the checkpoint choice, the evaluation) to the evaluation service
+    (services/trainer/evaluator.py), which runs where SGLang is: compose's gpu profile, in the inference image."""
+
 
 def served_config(settings: EvalSettings, python: str | None = None, **given) -> ServedConfig:
     """The SGLang evaluation's config: ``python``, else the settings' (else this one), the settings' extra flags, and

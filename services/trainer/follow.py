@@ -10,7 +10,8 @@ list of M GPUs, which the child then sees as ``CUDA_VISIBLE_DEVICES``; each proc
 the inference service released, see shared/gpus.py).
 A run left in ``waiting_for_gpus``, ``training`` or ``evaluating`` whose lock has expired lost its trainer
 (a killed container, an OOM kill): it is claimed again and resumes from its newest checkpoint, at most
-``EAGLET_TRAIN_MAX_ATTEMPTS`` times in all.
+``EAGLET_TRAIN_MAX_ATTEMPTS`` times in all; one the trainer left to the evaluation service (``eval_request``,
+services/trainer/evaluator.py) is that service's.
 """
 
 import logging
@@ -101,6 +102,8 @@ def next_run(redis: Redis, settings: FollowSettings, owner: str) -> str | None:
     for run_id in redis.zrange(keys.RUNS, 0, -1):
         state = RunState(redis, run_id)
         if state.stage() not in CLAIMABLE or (state.train().follow_attempts or 0) >= settings.train_max_attempts:
+            continue
+        if state.stage() == Stage.evaluating and state.meta().eval_request:  # trained: the evaluation service's now
             continue
         ttl_ms = int(settings.train_lock_ttl_s * 1000)
         if redis.set(RunKeys(run_id).train_lock, owner, nx=True, px=ttl_ms):

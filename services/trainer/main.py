@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
+import json
 import logging
 import os
 import socket
@@ -30,9 +31,10 @@ from typing import TYPE_CHECKING, get_args
 import torch.distributed as dist
 from redis.exceptions import RedisError
 
-from eaglet.services.trainer import selection
 from eaglet.services.trainer.config import TrainConfig
 from eaglet.services.trainer.distributed import Dist, init_distributed
+from eaglet.services.trainer.evaluate import EvalSettings
+from eaglet.services.trainer.evaluator import EvalRequest, after_training
 from eaglet.services.trainer.preemption import Preempted
 from eaglet.services.trainer.train import train
 from eaglet.shared import gpustats
@@ -43,7 +45,6 @@ from eaglet.shared.logs import setup_logging
 from eaglet.shared.records import GPUS_RELEASED, LOST_AFTER_BEATS, GpuRole, TrainProgress
 from eaglet.shared.runoptions import RunOptions, SelectBy
 from eaglet.shared.runstate import RunState, StageRefused
-from eaglet.shared.store import drafter_dir
 from eaglet.shared.target import resolve_model_dir
 
 if TYPE_CHECKING:
@@ -185,32 +186,6 @@ def heartbeat(state: RunState, interval_s: float, stop: threading.Event, host: s
         gpustats.forget(state.redis, GpuRole.trainer, host)
 
 
-def hand_off(state: RunState, args: argparse.Namespace, settings: Settings, target_dir: Path, engine: str,
-             select_by: SelectBy, top: int) -> None:  # fmt: skip
-    """After training (rank 0): the drafter chosen among the kept epochs (``--select-by``), then the evaluation of
-    the exported one, in the run's ``eval_engine``."""
-    from eaglet.services.trainer.evaluate import EvalSettings, evaluate_run, positions, served_config
-
-    served = served_config(EvalSettings()) if engine == "sglang" else None
-    evaluation = dict(
-        data_dir=settings.data_dir, target_dir=target_dir, k=args.eval_k, max_new_tokens=args.eval_max_new_tokens,
-        num_prompts=args.eval_num_prompts, served=served,
-    )  # fmt: skip
-    drafter = drafter_dir(settings.data_dir, state.run_id)
-    if select_by != "last":
-
-        def serve(folder: Path) -> float | None:  # a candidate decoded, no record written: the winner's comes next
-            figures = evaluate_run(redis=None, run_id=state.run_id, prompts=args.eval_prompts, drafter_path=folder,
-                                   **evaluation)  # fmt: skip
-            return figures["accept_length"]
-
-        selection.select(state, drafter.parent, drafter, select_by, top,
-                         positions(drafter, args.eval_k, served), serve)  # fmt: skip
-    if args.eval_prompts is not None:
-        state.start_evaluating()
-        evaluate_run(redis=state.redis, run_id=state.run_id, prompts=args.eval_prompts, **evaluation)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -250,9 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         if select_by != "last":
             cfg = dataclasses.replace(cfg, keep_epochs=True)
         train(redis=redis, run_id=args.run, data_dir=settings.data_dir, target_dir=target_dir, cfg=cfg, env=env)
-        if env.main and (select_by != "last" or args.eval_prompts is not None):
-            hand_off(state, args, settings, target_dir, options.eval_engine, select_by, top)
-        if env.main:
+        request = EvalRequest(None if args.eval_prompts is None else str(args.eval_prompts), args.eval_k,
+                              args.eval_max_new_tokens, args.eval_num_prompts, select_by, top)  # fmt: skip
+        if env.main and request.wanted and EvalSettings().eval_service:  # the evaluator finishes the run
+            state.request_evaluation(json.dumps(dataclasses.asdict(request)))
+            log.info("run %s: trained; the evaluation service takes it from here", args.run)
+        elif env.main:
+            if request.wanted:
+                after_training(state, settings, target_dir, request)
             state.finish()
         return 0
     except (RunCancelled, StageRefused) as e:
