@@ -81,13 +81,24 @@ def test_profiles_and_dependencies(compose):
             # A dependency outside the service's profiles makes compose refuse to start it.
             assert set(services[dep].get("profiles", [])) <= set(service.get("profiles", [])), (name, dep)
             assert cond["condition"] == "service_healthy", (name, dep)
-    for name in ("inference-gpu", "trainer-gpu"):
+    for name in ("inference-gpu", "trainer-gpu", "evaluator-gpu"):
         assert services[name]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+
+
+def test_the_gpu_trainer_leaves_its_evaluation_to_the_evaluator_in_the_sglang_image(compose):
+    services = compose["services"]
+    assert services["trainer-gpu"]["environment"]["EAGLET_EVAL_SERVICE"] == "true"
+    assert "EAGLET_EVAL_SERVICE" not in services["trainer"]["environment"]  # cpu: the trainer evaluates, reference
+    ev = services["evaluator-gpu"]
+    assert ev["profiles"] == ["gpu"] and ev["image"] == services["inference-gpu"]["image"] and "build" not in ev
+    assert ev["entrypoint"] == ["python3", "-m", "eaglet.services.trainer.evaluator"]
+    assert ev["environment"]["EAGLET_SGLANG_PYTHON"] == "python3" and "data:/data" in ev["volumes"]
+    assert ev["environment"]["EAGLET_EVAL_ALIVE_FILE"] in ev["healthcheck"]["test"][-1]
 
 
 def test_scalable_extractors_and_restart_policies(compose):
     services = compose["services"]
-    for name in ("extractor", "extractor-gpu", "trainer", "trainer-gpu"):
+    for name in ("extractor", "extractor-gpu", "trainer", "trainer-gpu", "evaluator-gpu"):
         assert "container_name" not in services[name] and "ports" not in services[name]
         assert services[name]["restart"] == "unless-stopped"
     # The inference supervisor exits 0 after releasing the GPUs: only a failure may bring it back.
