@@ -14,9 +14,6 @@ expires, at most ``EAGLET_EVAL_MAX_ATTEMPTS`` times.
 
 import json
 import logging
-import os
-import signal
-import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +25,7 @@ from redis.exceptions import RedisError
 
 from eaglet.services.trainer import selection
 from eaglet.services.trainer.evaluate import EvalSettings, evaluate_run, positions, served_config
-from eaglet.services.trainer.follow import RENEW, UNLOCK, touch
+from eaglet.services.trainer.follow import RENEW, UNLOCK, follow_runs, touch
 from eaglet.shared import keys
 from eaglet.shared.config import Settings
 from eaglet.shared.connections import connect
@@ -153,22 +150,12 @@ def main() -> int:
     settings = EvaluatorSettings()
     setup_logging()
     redis = connect(settings.redis_url)
-    owner = f"{socket.gethostname()}:{os.getpid()}"
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    log.info("%s: evaluating the runs the trainers leave to this service", owner)
-    while not stopping.is_set():
-        touch(settings.eval_alive_file)
-        try:
-            run_id = next_run(redis, settings, owner)
-        except RedisError:  # Redis restarting: look again next time
-            log.warning("%s: could not read the runs", owner, exc_info=True)
-            run_id = None
-        if run_id is None:
-            stopping.wait(settings.eval_poll_s)
-            continue
-        evaluate_claimed(redis, settings, run_id, owner)
-    return 0
+    return follow_runs(
+        "evaluating those the trainers leave to this service",
+        lambda owner: next_run(redis, settings, owner),
+        lambda run, owner, _: evaluate_claimed(redis, settings, run, owner),
+        settings.eval_alive_file, settings.eval_poll_s,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -153,27 +153,38 @@ def touch(path: Path | None) -> None:
         path.touch()
 
 
+def follow_runs(
+    what: str, claim: Callable[[str], str | None], work: Callable[[str, str, threading.Event], bool],
+    alive_file: Path | None, poll_s: float,
+) -> int:  # fmt: skip
+    """A service's loop until SIGTERM: ``claim(owner)`` a run (its id, or None), ``work(run, owner, stopping)`` on
+    it (False: it failed, and the loop waits a turn rather than retry in a tight loop)."""
+    owner = f"{socket.gethostname()}:{os.getpid()}"
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    log.info("%s: following the runs; %s", owner, what)
+    while not stopping.is_set():
+        touch(alive_file)
+        try:
+            run_id = claim(owner)
+        except RedisError:  # Redis restarting: look again next time
+            log.warning("%s: could not read the runs", owner, exc_info=True)
+            run_id = None
+        if run_id is None or not work(run_id, owner, stopping):
+            stopping.wait(poll_s)
+    return 0
+
+
 def main() -> int:
     settings = FollowSettings()
     setup_logging()
     redis = connect(settings.redis_url)
-    owner = f"{socket.gethostname()}:{os.getpid()}"
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    log.info("%s: following the runs; training with %s", owner, shlex.join(trainer_command(settings, "RUN")))
-    while not stopping.is_set():
-        touch(settings.follow_alive_file)
-        try:
-            run_id = next_run(redis, settings, owner)
-        except RedisError:  # Redis restarting: look again next time
-            log.warning("%s: could not read the runs", owner, exc_info=True)
-            run_id = None
-        if run_id is None:
-            stopping.wait(settings.follow_poll_s)
-            continue
-        if train_run(redis, settings, run_id, owner, stopping) != 0:
-            stopping.wait(settings.follow_poll_s)  # a failing run is not retried in a tight loop
-    return 0
+    return follow_runs(
+        f"training with {shlex.join(trainer_command(settings, 'RUN'))}",
+        lambda owner: next_run(redis, settings, owner),
+        lambda run, owner, stopping: train_run(redis, settings, run, owner, stopping) == 0,
+        settings.follow_alive_file, settings.follow_poll_s,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
