@@ -159,3 +159,34 @@ def test_dflash_decoding_emits_the_targets_greedy_text(redis, tmp_path, tiny_mod
     figures = run_eval(target, drafter, Tok(), prompts, k=3, max_new_tokens=24, layer_ids=[])
     assert figures["mismatches"] == 0 and len(figures["accept_rate"]) == 3
     assert 1 <= figures["accept_length"] <= 4
+
+
+def test_a_dflash_drafter_is_accepted_on_its_texts_as_often_as_its_objective_scores_it(redis, tmp_path, tiny_model_dir):
+    """Decoded as trained: on the texts it trained on (the tiny target is random, so only those are learnable), the
+    reference engine accepts the drafts about as often as the objective's accuracy per position there predicts. A
+    drafter decoded against other states, positions or tokens than those it trained on is accepted near never."""
+    from eaglet.services.trainer.objective import heldout_figures
+    from eaglet.services.trainer.train import start
+    from eaglet.shared.acceptance import predicted_accept_length
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [[200 + (i * 7 + j) % 60 for j in range(6)] for i in range(12)]
+    # the target's own greedy text: what decoding will verify against
+    texts = [target.generate(torch.tensor([p]), max_new_tokens=34, do_sample=False)[0].tolist() for p in prompts]
+    make_run(redis, tmp_path, tiny_model_dir, "d5", layer_ids=LAYERS, texts=texts)
+    cfg = small(max_steps=60, heldout_fraction=0.0)
+    train(redis=redis, run_id="d5", data_dir=tmp_path, target_dir=tiny_model_dir, cfg=cfg, env=Dist())
+    s = start(redis, "d5", tmp_path, tiny_model_dir, cfg, Dist())  # the finished training, resumed: its objective
+    scored = heldout_figures(s.objective, s.train_items, data_dir=tmp_path, run_id="d5", tokens_per_batch=160,
+                             max_len=cfg.max_len, device=torch.device("cpu"))  # fmt: skip
+    predicted = predicted_accept_length(scored["heldout_acc"], 3)
+    drafter = load_dflash(drafter_dir(tmp_path, "d5"), target.get_input_embeddings().weight.detach().float()).eval()
+
+    class Tok:
+        eos_token_id = None
+
+    # decoded from where the trained answers start (make_run's loss mask: after the first third), to their end
+    starts = [text[: len(text) // 3] for text in texts]
+    figures = run_eval(target, drafter, Tok(), starts, k=3, max_new_tokens=27, layer_ids=[])
+    assert figures["mismatches"] == 0
+    assert predicted > 1.2 and figures["accept_length"] >= 0.8 * predicted, (figures["accept_length"], predicted)
