@@ -39,6 +39,8 @@ import json
 import logging
 import os
 import random
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -186,14 +188,19 @@ HELDOUT = "heldout.json"
 ``eaglet eval`` predicts the served accept length from (SGLang and vLLM read config.json and the weights only)."""
 
 
-def heldout_acc(drafter_dir: Path) -> list[float] | None:
-    """The exported drafter's held-out accuracy per position, None when it carries none (a foreign drafter)."""
+def carried_heldout(drafter_dir: Path) -> dict | None:
+    """The held-out figures an exported drafter carries (``step``, ``heldout_loss``, ``heldout_acc``); None when it
+    carries none (a foreign drafter, or one trained without a held-out split). ValueError naming the file when it
+    is not such figures."""
     path = Path(drafter_dir) / HELDOUT
     try:
-        return json.loads(path.read_text())["heldout_acc"]
+        figures = json.loads(path.read_text())
+        if not isinstance(figures, dict) or not isinstance(figures.get("heldout_acc", []), list | None):
+            raise TypeError("not an object with a heldout_acc list")
+        return figures
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"{path}: not a drafter's held-out figures ({type(e).__name__}: {e})") from e
 
 
@@ -204,20 +211,27 @@ def is_dflash(drafter_dir: Path) -> bool:
 
 
 def write_folder(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
-    """config.json + model.safetensors into ``out_dir``, replaced whole through a temp folder: an engine reading it
+    """config.json + model.safetensors into ``out_dir``, replaced whole (``replace_folder``)."""
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+    return replace_folder(out_dir, fill)
+
+
+def replace_folder(out_dir: Path, fill: Callable[[Path], None]) -> Path:
+    """``out_dir`` replaced whole by what ``fill`` writes into a temp folder beside it: an engine reading it
     meanwhile sees the old drafter or the new one, never half of each."""
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    fill(tmp)
     old = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.old")
     if out_dir.exists():
         out_dir.rename(old)
     tmp.rename(out_dir)
-    if old.exists():
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 

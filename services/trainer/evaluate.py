@@ -31,7 +31,7 @@ from pydantic import Field
 from redis import Redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eaglet.services.trainer.checkpoint import heldout_acc, is_dflash, load_dflash, load_drafter
+from eaglet.services.trainer.checkpoint import carried_heldout, is_dflash, load_dflash, load_drafter
 from eaglet.services.trainer.dflash import DFlashDrafter
 from eaglet.services.trainer.model import Drafter
 from eaglet.services.trainer.served import Chain, ServedConfig, drafted_positions, serve_eval
@@ -223,7 +223,7 @@ def evaluate_run(
         # served as trained (shared/acceptance.py). From the figures the export carries; else, for the run's own
         # drafter, its train record's
         own = folder.resolve() == drafter_dir(data_dir, run_id).resolve()
-        accuracy = heldout_acc(folder) or (state.train().heldout_acc if own else None)
+        accuracy = (carried_heldout(folder) or {}).get("heldout_acc") or (state.train().heldout_acc if own else None)
         predicted = predicted_accept_length(accuracy, k)
         state.replace_eval(
             EvalResult(
@@ -241,9 +241,8 @@ def evaluate_run(
                 target, drafter, tokenizer, ids, k=k, max_new_tokens=max_new_tokens, layer_ids=layer_ids, report=report
             )
         else:
-            if (
-                torch.cuda.is_initialized()
-            ):  # a trainer's cached blocks, freed before SGLang sizes its pool by what is free
+            # a trainer's cached blocks, freed before SGLang sizes its pool by what is free
+            if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
             figures = serve_eval(target_dir=target_dir, drafter_dir=folder, prompts=ids, max_new_tokens=max_new_tokens,
                                  cfg=served, log_dir=run_dir(data_dir, run_id) / "eval", report=report)  # fmt: skip

@@ -1,9 +1,9 @@
 """Checkpoint choice: the drafter a run exports, chosen among its epochs' drafters.
 
 Served acceptance often peaks epochs before the loss stops falling, so the last epoch's drafter is not always the
-best one. With ``TrainConfig.keep_epochs`` the trainer keeps each epoch's drafter, as SGLang loads it, and that
-epoch's held-out figures in ``<run>/epochs/<epoch>/`` (``keep``). After training, ``select`` picks one by
-``--select-by``:
+best one. With ``TrainConfig.keep_epochs`` the trainer keeps each epoch's drafter, as SGLang loads it and with the
+held-out figures every export carries, in ``<run>/epochs/<epoch>/drafter/`` (``keep``). After training,
+``select`` picks one by ``--select-by``:
 
 - ``last``: the drafter training ended with (nothing kept, nothing copied);
 - ``predicted``: the highest accept length its held-out accuracy per position predicts (``shared/acceptance.py``);
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eaglet.services.trainer.checkpoint import carried_heldout, replace_folder
 from eaglet.shared.acceptance import predicted_accept_length
 from eaglet.shared.records import TrainProgress
 from eaglet.shared.runoptions import SelectBy
@@ -30,13 +31,11 @@ from eaglet.shared.runstate import RunState
 
 log = logging.getLogger(__name__)
 
-FIGURES = "heldout.json"
-
 
 @dataclass
 class Candidate:
     epoch: int  # 1-based: the epochs done when it was kept
-    step: int
+    step: int | None
     drafter: Path
     heldout_loss: float | None
     heldout_acc: list[float] | None
@@ -49,33 +48,30 @@ def epochs_dir(run_folder: Path) -> Path:
     return Path(run_folder) / "epochs"
 
 
-def keep(root: Path, epoch: int, step: int, drafter: Path, figures: dict) -> Path:
-    """Copies the exported ``drafter`` folder to ``root/<epoch>/drafter`` with the epoch's held-out ``figures``;
-    written aside and renamed, so a crash leaves no half-copied candidate."""
+def keep(root: Path, epoch: int, drafter: Path) -> Path:
+    """Copies the exported ``drafter`` folder, with the held-out figures it carries (``checkpoint.HELDOUT``), to
+    ``root/<epoch>/drafter``; written aside and renamed, so a crash leaves no half-copied candidate."""
     final = root / f"{epoch:04d}"
     partial = root / f".{epoch:04d}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     shutil.copytree(drafter, partial / "drafter")
-    record = {"epoch": epoch, "step": step, **{k: figures.get(k) for k in ("heldout_loss", "heldout_acc")}}
-    (partial / FIGURES).write_text(json.dumps(record))
     shutil.rmtree(final, ignore_errors=True)  # a resumed run's epoch, kept again
     partial.rename(final)
     return final
 
 
 def candidates(root: Path, positions: int) -> list[Candidate]:
-    """The kept epochs, oldest first, each with its predicted accept length at ``positions`` draft positions. One
-    whose figures cannot be read is left out, its file named in the log."""
+    """The kept epochs, oldest first, each with its predicted accept length at ``positions`` draft positions (None
+    without held-out figures). One whose figures cannot be read is left out, its file named in the log."""
     found = []
     for folder in sorted(p for p in root.glob("[0-9]*") if p.is_dir()):
-        path = folder / FIGURES
         try:
-            rec = json.loads(path.read_text())
-            c = Candidate(int(rec["epoch"]), int(rec["step"]), folder / "drafter", rec.get("heldout_loss"),
-                          rec.get("heldout_acc"))  # fmt: skip
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.error("%s: not a kept epoch's figures (%s: %s); left out of the choice", path, type(e).__name__, e)
+            figures = carried_heldout(folder / "drafter") or {}
+        except ValueError as e:
+            log.error("%s; left out of the choice", e)
             continue
+        c = Candidate(int(folder.name), figures.get("step"), folder / "drafter", figures.get("heldout_loss"),
+                      figures.get("heldout_acc"))  # fmt: skip
         c.predicted = predicted_accept_length(c.heldout_acc, positions)
         found.append(c)
     return found
@@ -95,7 +91,7 @@ def choose(found: list[Candidate], select_by: SelectBy, top: int, serve: Callabl
         return ranked[0]
     for c in ranked[:top]:
         c.served = serve(c.drafter)
-        log.info("epoch %d (step %d): served accept length %s, predicted %s", c.epoch, c.step, c.served, c.predicted)
+        log.info("epoch %d (step %s): served accept length %s, predicted %s", c.epoch, c.step, c.served, c.predicted)
     tried = [c for c in ranked[:top] if c.served is not None]
     if not tried:
         raise RuntimeError(f"--select-by served: none of epochs {[c.epoch for c in ranked[:top]]} was served")
@@ -103,15 +99,8 @@ def choose(found: list[Candidate], select_by: SelectBy, top: int, serve: Callabl
 
 
 def export(winner: Candidate, drafter_dir: Path) -> None:
-    """``drafter_dir`` becomes a copy of the winner's drafter: copied beside it, then swapped in by renames."""
-    incoming, outgoing = drafter_dir.with_name("drafter.incoming"), drafter_dir.with_name("drafter.outgoing")
-    for p in (incoming, outgoing):
-        shutil.rmtree(p, ignore_errors=True)
-    shutil.copytree(winner.drafter, incoming)
-    if drafter_dir.exists():
-        drafter_dir.rename(outgoing)
-    incoming.rename(drafter_dir)
-    shutil.rmtree(outgoing, ignore_errors=True)
+    """``drafter_dir`` becomes a copy of the winner's drafter, swapped in whole as every export is."""
+    replace_folder(drafter_dir, lambda tmp: shutil.copytree(winner.drafter, tmp, dirs_exist_ok=True))
 
 
 def select(

@@ -217,7 +217,8 @@ def train(
             while s.step < s.total:
                 train_epoch(s, on_step)
                 if cfg.keep_epochs and s.batch == 0 and s.step < s.total:  # an epoch ended, training did not
-                    keep_epoch(s, checkpoint(s))
+                    checkpoint(s)
+                    keep_epoch(s)
         final = finish(s)
     finally:
         s.rep.close()
@@ -590,19 +591,19 @@ def finish(s: Session) -> dict:
     """The last checkpoint and held-out figures; returns the final figures (rank 0; the others: {})."""
     final = {"step": s.step, **s.last, **checkpoint(s)}
     if s.cfg.keep_epochs:
-        keep_epoch(s, final)
+        keep_epoch(s)
     s.rep.set(TrainProgress(**final, finished_at=time.time()))
     figures = {k: final.get(k) for k in ("heldout_loss", "heldout_acc")}
     log.info("run %s: training done at step %d, held-out %s", s.run_id, s.step, figures)
     return final if s.env.main else {}
 
 
-def keep_epoch(s: Session, figures: dict) -> None:
-    """Rank 0 keeps the drafter just exported as the candidate of the epoch that ended (or the part of one training
-    ended in), for ``--select-by``."""
+def keep_epoch(s: Session) -> None:
+    """Rank 0 keeps the drafter just exported, with its held-out figures, as the candidate of the epoch that ended
+    (or the part of one training ended in), for ``--select-by``."""
     if s.env.main:
         epoch = s.epoch if s.batch == 0 else s.epoch + 1
-        selection.keep(selection.epochs_dir(s.drafter_out.parent), epoch, s.step, s.drafter_out, figures)
+        selection.keep(selection.epochs_dir(s.drafter_out.parent), epoch, s.drafter_out)
 
 
 def heldout(s: Session) -> dict:

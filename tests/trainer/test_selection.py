@@ -8,6 +8,7 @@ import pytest
 
 from eaglet.services.trainer import main as trainer_main
 from eaglet.services.trainer import selection
+from eaglet.services.trainer.checkpoint import HELDOUT
 from eaglet.services.trainer.selection import Candidate
 from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.runoptions import RunOptions
@@ -45,13 +46,19 @@ def test_an_unreadable_epoch_is_left_out_naming_its_file(tmp_path, caplog):
     drafter.mkdir()
     (drafter / "config.json").write_text("{}")
     root = selection.epochs_dir(tmp_path)
-    selection.keep(root, 1, 5, drafter, {"heldout_acc": [0.5, 0.5], "heldout_loss": 2.0})
-    selection.keep(root, 2, 10, drafter, {"heldout_acc": [0.6], "heldout_loss": 1.9})
-    (root / "0002" / selection.FIGURES).write_text("{not json")
+    figures = drafter / HELDOUT
+    figures.write_text(json.dumps({"step": 5, "heldout_acc": [0.5, 0.5], "heldout_loss": 2.0}))
+    selection.keep(root, 1, drafter)
+    figures.write_text(json.dumps({"step": 10, "heldout_acc": [0.6], "heldout_loss": 1.9}))
+    selection.keep(root, 2, drafter)
+    figures.unlink()
+    selection.keep(root, 3, drafter)  # trained without a held-out split: a candidate with no prediction
+    (root / "0002" / "drafter" / HELDOUT).write_text("{not json")
     with caplog.at_level(logging.ERROR):
-        [only] = selection.candidates(root, 2)
-    assert only.epoch == 1 and only.predicted == 1 + 0.5 + 0.25 and (only.drafter / "config.json").exists()
-    assert str(root / "0002" / selection.FIGURES) in caplog.text
+        first, third = selection.candidates(root, 2)
+    assert first.epoch == 1 and first.step == 5 and first.predicted == 1 + 0.5 + 0.25
+    assert (first.drafter / "config.json").exists() and third.epoch == 3 and third.predicted is None
+    assert str(root / "0002" / "drafter" / HELDOUT) in caplog.text
 
 
 @pytest.fixture
