@@ -136,7 +136,7 @@ TRAINER_RUNNING = (Stage.training, Stage.evaluating)
 
 
 EARLIER_EVALS = 8
-"""Earlier evaluations a run keeps (``RunKeys.evals``), newest first; the status shows them all."""
+"""Earlier evaluations a run keeps (``RunKeys.evals``), newest first; ``/status`` lists them all."""
 
 
 class StageRefused(RuntimeError):
@@ -224,7 +224,7 @@ class RunState:
 
     def replace_eval(self, result: EvalResult) -> None:
         """Starts a new evaluation: the earlier one's figures move, in the same step, to the front of the run's
-        capped list of earlier evaluations (a bf16 target's beside an fp8 one's, each candidate of ``--select-by``)."""
+        capped list of earlier evaluations (a bf16 target's kept beside an fp8 one's)."""
         earlier = self.redis.hgetall(self.keys.eval)
         pipe = self.redis.pipeline()
         if earlier:
@@ -271,8 +271,7 @@ class RunState:
     def request_evaluation(self, request: str) -> None:
         """The trainer is done and leaves the evaluation (JSON ``request``) to the evaluation service: the run
         waits in ``evaluating`` until an evaluator finishes it."""
-        if self._move(Stage.evaluating, TRAINER_RUNNING, eval_request=request) is None:
-            raise StageRefused(self.run_id, Stage.evaluating, self.stage())
+        self._move_or_refuse(Stage.evaluating, TRAINER_RUNNING, eval_request=request)
 
     def add_eval_attempt(self) -> int:
         return int(self.redis.hincrby(self.keys.meta, "eval_attempts", 1))
@@ -312,8 +311,8 @@ class RunState:
         )
         return Stage(before) if moved else None
 
-    def _move_or_refuse(self, to: Stage, allowed: tuple[Stage, ...]) -> None:
-        if self._move(to, allowed) is None:
+    def _move_or_refuse(self, to: Stage, allowed: tuple[Stage, ...], **fields: Any) -> None:
+        if self._move(to, allowed, **fields) is None:
             raise StageRefused(self.run_id, to, self.stage())
 
     def stage(self) -> Stage:
