@@ -230,9 +230,8 @@ def phase_served() -> None:
         return
     P.stop_all()
     engine = os.environ.get("DFL_SERVED_ENGINE", "sglang")
-    env = {**P.eaglet_env(h2h.SMOL, P.SGL_PORT),
-           "EAGLET_EVAL_SGLANG_ARGS": " ".join(["--mem-fraction-static", "0.5", "--disable-cuda-graph",
-                                                *P.SGL_BASE[:-2]])}  # fmt: skip
+    # the same server flags as dfl-eval's servers
+    env = {**P.eaglet_env(h2h.SMOL, P.SGL_PORT), "EAGLET_EVAL_SGLANG_ARGS": " ".join(h2h.EVAL_EXTRA + P.SGL_BASE)}
     redis = Redis.from_url(P.REDIS_URL, decode_responses=True)
     for quantization in ("", "fp8") if engine == "sglang" else ("",):
         name = f"dfl-served-{quantization or 'bf16'}"
