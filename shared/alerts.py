@@ -12,7 +12,7 @@ from .records import (
     Stage,
     WorkerRole,
 )
-from .statusreport import Alert, Cluster, Extraction, RunStatus
+from .statusreport import Alert, Cluster, Extraction, RunStatus, Training
 from .statustext import duration
 
 
@@ -58,6 +58,17 @@ def usual_interval(completions: list[tuple[float, int, int]], n: int = 100) -> f
     return (newest[0][0] - newest[-1][0]) / (len(newest) - 1)
 
 
+def _lost_message(stage: Stage, tr: Training, age: str) -> str:
+    """Whose heartbeat is missing: the trainer's, or the evaluation service's once the trainer left it the run."""
+    if tr.evaluation_attempts == 0:
+        return f"the run waits for the evaluation service, which has not claimed it ({age}): start the evaluator"
+    if tr.evaluation_attempts is not None:
+        return (f"the evaluation service is evaluating but has {age}: it died or hangs; another evaluator claims the "
+                f"run once its lock expires (attempt {tr.evaluation_attempts} so far)")  # fmt: skip
+    resume = f" (it resumes from {tr.last_checkpoint})" if tr.last_checkpoint else ""
+    return f"the trainer is {stage} but has {age}: it died or hangs; start it again{resume}"
+
+
 def run_alerts(
     run: RunStatus, completions: list[tuple[float, int, int]], cluster: Cluster, config: StatusConfig, now: float
 ) -> list[Alert]:
@@ -94,9 +105,7 @@ def run_alerts(
     tr = run.training
     if run.stage in TRAINER_STAGES and (tr.seconds_since_beat is None or tr.seconds_since_beat > config.lost_after_s):
         age = "no heartbeat" if tr.seconds_since_beat is None else f"heartbeat {tr.seconds_since_beat:.0f} s old"
-        resume = f" (it resumes from {tr.last_checkpoint})" if tr.last_checkpoint else ""
-        alerts.append(Alert(kind="trainer_lost", message=(
-            f"the trainer is {run.stage} but has {age}: it died or hangs; start it again{resume}")))  # fmt: skip
+        alerts.append(Alert(kind="trainer_lost", message=_lost_message(run.stage, tr, age)))
     st = run.storage
     if (
         st.projected_remaining_bytes is not None

@@ -478,6 +478,7 @@ def _training(stage: Stage, meta: RunMeta, progress: TrainProgress, now: float) 
         unreadable_samples=progress.unreadable_samples or 0,
         seconds_since_update=now - progress.updated_at if progress.updated_at is not None else None,
         seconds_since_beat=now - progress.beat_at if progress.beat_at is not None else None,
+        evaluation_attempts=(meta.eval_attempts or 0) if meta.eval_request and stage == Stage.evaluating else None,
     )
 
 

@@ -133,7 +133,9 @@ def _verdict(run: RunStatus, now: float) -> str:
     if run.stage in ACTIVE_STAGES and stalled is not None:
         return f"stalled for {duration(now - stalled)} (nothing finished since {clock(stalled, now)})"
     if any(a.kind == "trainer_lost" for a in run.alerts):
-        return "stalled: the trainer is lost"
+        if run.training.evaluation_attempts == 0:
+            return "waiting for the evaluation service"
+        return "stalled: the " + ("evaluator" if run.training.evaluation_attempts else "trainer") + " is lost"
     return {
         Stage.extracted: "extracted, waiting for the trainer",
         Stage.waiting_for_gpus: "waiting for GPUs",

@@ -102,9 +102,15 @@ def next_run(redis: Redis, settings: EvaluatorSettings, owner: str) -> str | Non
         if state.stage() != Stage.evaluating:
             continue
         meta = state.meta()
-        if not meta.eval_request or (meta.eval_attempts or 0) >= settings.eval_max_attempts:
+        if not meta.eval_request:
             continue
-        if redis.set(RunKeys(run_id).eval_lock, owner, nx=True, px=int(settings.eval_lock_ttl_s * 1000)):
+        lock = RunKeys(run_id).eval_lock
+        if (meta.eval_attempts or 0) >= settings.eval_max_attempts:
+            if not redis.exists(lock):  # the last evaluator died too: the run fails rather than waits forever
+                state.fail(f"evaluation: {meta.eval_attempts} evaluators claimed the run and none finished it "
+                           f"(EAGLET_EVAL_MAX_ATTEMPTS={settings.eval_max_attempts}); their logs say why")  # fmt: skip
+            continue
+        if redis.set(lock, owner, nx=True, px=int(settings.eval_lock_ttl_s * 1000)):
             return run_id
     return None
 

@@ -12,7 +12,9 @@ import pytest
 
 from eaglet.services.trainer import evaluator, follow
 from eaglet.services.trainer import main as trainer_main
+from eaglet.shared.alerts import StatusConfig
 from eaglet.shared.runstate import RunState, Stage
+from eaglet.shared.status import read_run
 from eaglet.shared.store import run_dir
 from tests.trainer.fixtures import make_run
 
@@ -45,6 +47,12 @@ def test_the_evaluation_service_finishes_what_the_trainer_left(redis, env, tmp_p
     assert state.eval().state is None and not (run_dir(tmp_path, "svc") / "selection.json").exists()
     assert follow.next_run(redis, follow.FollowSettings(), "trainer-replica") is None  # not the trainer's any more
     beat = state.train().beat_at or 0
+    time.sleep(0.3)
+    waiting = read_run(redis, "svc", config=StatusConfig(lost_after_s=0.2)).run
+    assert waiting.training.evaluation_attempts == 0
+    [alert] = [a for a in waiting.alerts if a.kind == "trainer_lost"]  # nobody beats: it names whom to start
+    assert "waits for the evaluation service" in alert.message, alert.message
+    assert waiting.verdict == "waiting for the evaluation service"
     proc = subprocess.Popen([sys.executable, "-m", "eaglet.services.trainer.evaluator"], env={**os.environ, **env})
     try:
         deadline = time.time() + 120
@@ -77,4 +85,9 @@ def test_a_failed_evaluation_fails_the_run_and_a_dead_evaluators_run_is_claimed_
     assert state.stage() == Stage.failed and "evaluation: FileNotFoundError" in (state.meta().error or "")
     assert str(missing) in (state.meta().error or "")
     redis.hset(state.keys.meta, mapping={"stage": "evaluating", "eval_attempts": "2"})
-    assert evaluator.next_run(redis, settings, "c") is None  # out of attempts: left alone
+    redis.set(state.keys.eval_lock, "b")
+    assert evaluator.next_run(redis, settings, "c") is None  # out of attempts, the last one still holding it
+    assert state.stage() == Stage.evaluating
+    redis.delete(state.keys.eval_lock)  # ...and it died
+    assert evaluator.next_run(redis, settings, "c") is None
+    assert state.stage() == Stage.failed and "2 evaluators claimed the run" in (state.meta().error or "")
