@@ -117,8 +117,9 @@ class Training(BaseModel):
     seconds_since_update: float | None
     seconds_since_beat: float | None = Field(description="Age of the trainer process's heartbeat")
     evaluation_attempts: int | None = Field(
-        None, description="Set while the evaluation service holds the run's evaluation (the trainer left it there): "
-        "how many evaluators claimed it so far, 0 while none has; the heartbeat is then the evaluator's"
+        None,
+        description="Set while the evaluation service holds the run's evaluation (the trainer left it there): "
+        "how many evaluators claimed it so far, 0 while none has; the heartbeat is then the evaluator's",
     )
 
 

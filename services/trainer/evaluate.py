@@ -200,15 +200,16 @@ def positions(drafter: Path, k: int, served: ServedConfig | None) -> int:
 def evaluate_run(
     *, redis: Redis | None, run_id: str, data_dir: Path, target_dir: Path, prompts: Path, k: int = 4,
     max_new_tokens: int = 128, num_prompts: int = 0, drafter_path: Path | None = None,
-    served: ServedConfig | None = None,
+    served: ServedConfig | None = None, decoded: dict | None = None,
 ) -> dict:  # fmt: skip
     """Decodes with the target and the run's drafter, in this process (``served`` None: the reference engine) or in
-    SGLang (``served``), and writes ``RunKeys(run).eval``; returns the figures."""
+    SGLang (``served``), and writes ``RunKeys(run).eval``; returns the figures. ``decoded``: the figures of a decode
+    of this drafter on these prompts with these settings already made (a served selection's): recorded as they are."""
     engine: EvalEngine = "reference" if served is None else "sglang"
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     folder = Path(drafter_path or drafter_dir(data_dir, run_id))
     k = positions(folder, k, served)
-    if served is None:
+    if served is None and decoded is None:
         target, drafter, layer_ids = load_reference(target_dir, folder)
     ids = load_prompts(prompts, tokenizer, num_prompts)
     state = RunState(redis, run_id) if redis is not None else None
@@ -233,10 +234,14 @@ def evaluate_run(
                 started_at=now, updated_at=now,
             )
         )  # fmt: skip
-    log.info("run %s: evaluating %d prompts in %s, k=%d, up to %d new tokens", run_id, len(ids), engine, k,
+    log.info("run %s: %s %d prompts in %s, k=%d, up to %d new tokens", run_id,
+             "evaluating" if decoded is None else "recording the selection's decode of", len(ids), engine, k,
              max_new_tokens)  # fmt: skip
     try:
-        if served is None:
+        if decoded is not None:
+            figures = decoded
+            report(figures)
+        elif served is None:
             figures = run_eval(
                 target, drafter, tokenizer, ids, k=k, max_new_tokens=max_new_tokens, layer_ids=layer_ids, report=report
             )

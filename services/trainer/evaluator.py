@@ -67,18 +67,24 @@ def after_training(state: RunState, settings: Settings, target_dir: Path, reques
     )  # fmt: skip
     drafter = drafter_dir(settings.data_dir, state.run_id)
     prompts = Path(request.prompts) if request.prompts is not None else None
+    decoded: dict[str, dict] = {}  # each served candidate's figures, by its folder
+    winner = None
     if request.select_by != "last":
 
         def serve(folder: Path) -> float | None:  # a candidate decoded, no record written: the winner's comes next
             assert prompts is not None  # --select-by served is refused without prompts
             figures = evaluate_run(redis=None, run_id=state.run_id, prompts=prompts, drafter_path=folder, **evaluation)
+            decoded[str(folder)] = figures
             return figures["accept_length"]
 
-        selection.select(state, drafter.parent, drafter, request.select_by, request.top,
-                         positions(drafter, request.k, served), serve)  # fmt: skip
+        report = selection.select(state, drafter.parent, drafter, request.select_by, request.top,
+                                  positions(drafter, request.k, served), serve)  # fmt: skip
+        winner = next(c["drafter"] for c in report["candidates"] if c["epoch"] == report["chosen_epoch"])
     if prompts is not None:
         state.start_evaluating()
-        evaluate_run(redis=state.redis, run_id=state.run_id, prompts=prompts, **evaluation)
+        # the served winner was decoded on these prompts already: its figures are recorded, not decoded again
+        evaluate_run(redis=state.redis, run_id=state.run_id, prompts=prompts, decoded=decoded.get(winner or ""),
+                     **evaluation)  # fmt: skip
 
 
 class EvaluatorSettings(EvalSettings):

@@ -74,13 +74,15 @@ def train_args(run: str, model, *more: str) -> list[str]:
             "--checkpoint-every", "1000", *more]  # fmt: skip
 
 
-def test_served_selection_serves_the_top_epochs_and_exports_the_winner(redis, env, tmp_path, tiny_model_dir):
+def test_served_selection_serves_the_top_epochs_and_exports_the_winner(redis, env, tmp_path, tiny_model_dir, caplog):
     make_run(redis, tmp_path, tiny_model_dir, "pick", n=12, options=RunOptions(select_by="served", select_top=2))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(2)))
     args = train_args("pick", tiny_model_dir, "--eval-prompts", str(prompts), "--eval-k", "2",
                       "--eval-max-new-tokens", "8")  # fmt: skip
-    assert trainer_main.main(args) == 0
+    with caplog.at_level(logging.INFO, logger="eaglet.services.trainer.evaluate"):
+        assert trainer_main.main(args) == 0
+    assert caplog.text.count("evaluating 2 prompts") == 2  # the top 2, the winner's figures recorded, not redone
     folder = run_dir(tmp_path, "pick")
     kept = sorted(p.name for p in selection.epochs_dir(folder).iterdir())
     assert kept == ["0001", "0002", "0003"]  # the run option asked for it; every epoch kept
@@ -95,7 +97,9 @@ def test_served_selection_serves_the_top_epochs_and_exports_the_winner(redis, en
     progress = state.train()
     assert progress.selection == report["summary"] and progress.selection.startswith(f"epoch {winner['epoch']} of 3")
     assert progress.heldout_acc == winner["heldout_acc"]  # the record describes the exported drafter
-    assert state.eval().state == "done"  # the exported drafter evaluated into the run's record
+    record = state.eval()
+    assert record.state == "done" and record.accept_length == winner["served"]  # the winner's served figures
+    assert record.predicted_accept_length == round(winner["predicted"], 4)
     [run] = [r for r in read_status(redis, config=StatusConfig()).runs if r.run_id == "pick"]
     assert run.training.selection == report["summary"]
     assert f"exported the drafter of {report['summary']}" in run.lines["training"]
