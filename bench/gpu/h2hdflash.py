@@ -36,6 +36,8 @@ SPECFORGE_LRS = [x.strip() for x in os.environ.get("DFL_SPECFORGE_LRS", "1e-4,3e
 # The CPU rehearsal's tiny target has too few layers for the default's five.
 LAYERS = [int(x) for x in os.environ.get("DFL_AUX_LAYER_IDS", "").split(",") if x.strip()]
 CHECKPOINT_EVERY = int(os.environ.get("DFL_CHECKPOINT_EVERY", "200"))
+# the served stage's targets: bf16, and fp8 as it may be served (a short call: bf16 alone)
+SERVED_TARGETS = [x.strip() for x in os.environ.get("DFL_SERVED_TARGETS", "bf16,fp8").split(",") if x.strip()]
 SPECFORGE_SAVES = 6  # SpecForge's checkpoints over its run
 EVAL_MEM = 0.12  # --mem-fraction-static of each drafter's server: several share the GPU (as h2h-ablate-eval's)
 EAGLE3_COMMITTED = P.REPO / "results" / "gpu-headtohead-2026-12-04" / "gpu-headtohead.json"
@@ -215,7 +217,8 @@ def phase_served() -> None:
     """The product's served stage on eaglet's DFlash drafter (the first of DFL_LRS): ``eaglet eval --engine sglang``
     on the held-out prompts with the bf16 target, then with ``--target-quantization fp8``, each writing the run's
     evaluation record (served beside the accept length the drafter's own held-out figures predict); then the run's
-    status lines, the earlier evaluation among them. DFL_SERVED_ENGINE=reference: the CPU rehearsal's, bf16 only."""
+    status lines, the earlier evaluation among them. DFL_SERVED_TARGETS: the targets (bf16,fp8);
+    DFL_SERVED_ENGINE=reference: the CPU rehearsal's, bf16 only."""
     from redis import Redis
 
     from eaglet.shared.alerts import StatusConfig
@@ -233,8 +236,9 @@ def phase_served() -> None:
     # the same server flags as dfl-eval's servers
     env = {**P.eaglet_env(h2h.SMOL, P.SGL_PORT), "EAGLET_EVAL_SGLANG_ARGS": " ".join(h2h.EVAL_EXTRA + P.SGL_BASE)}
     redis = Redis.from_url(P.REDIS_URL, decode_responses=True)
-    for quantization in ("", "fp8") if engine == "sglang" else ("",):
-        name = f"dfl-served-{quantization or 'bf16'}"
+    for target in SERVED_TARGETS if engine == "sglang" else ["bf16"]:
+        quantization = "" if target == "bf16" else target
+        name = f"dfl-served-{target}"
         argv = [sys.executable, "-m", "eaglet.cli.main", "eval", "--run", run_id, "--engine", engine,
                 "--prompts", str(h2h.H2H / "heldout.jsonl"), "--model", str(h2h.SMOL), "--drafter",
                 drafter["drafter_dir"], "--max-new-tokens", str(h2h.EVAL_TOKENS),
@@ -322,6 +326,6 @@ ESTIMATE_S = {
     "dfl-extract": lambda: 70 + h2h.conversations() * 0.01,
     "dfl-train": 120,  # any minute of training is kept: a drafter cut off resumes in the next call
     "dfl-eval": 300,  # the target alone (a start, two sets, the repeat), then the drafters' servers together
-    "dfl-served": 260,  # the bf16 and the fp8 target, each a server alone and one with the drafter
+    "dfl-served": lambda: 130 * len(SERVED_TARGETS),  # each target: a server alone and one with the drafter
     "dfl-report": 5,
 }
