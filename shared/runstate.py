@@ -273,8 +273,9 @@ class RunState:
         waits in ``evaluating`` until an evaluator finishes it."""
         self._move_or_refuse(Stage.evaluating, TRAINER_RUNNING, eval_request=request)
 
-    def add_eval_attempt(self) -> int:
-        return int(self.redis.hincrby(self.keys.meta, "eval_attempts", 1))
+    def add_eval_attempt(self, by: int = 1) -> int:
+        """Counts an evaluator's claim of the run (``by`` -1: one given back on a stop, not a failure)."""
+        return int(self.redis.hincrby(self.keys.meta, "eval_attempts", by))
 
     def finish(self) -> None:
         """The drafter is trained (and evaluated, if asked)."""

@@ -9,11 +9,13 @@ trainer has just given up): it writes what it would have done as the run's ``eva
 ``evaluating``. This loop claims such a run with a Redis lock (SET NX with a TTL renewed while it works, as the
 trainer service's), beats the run's trainer heartbeat meanwhile (the stage's owner is alive), chooses and evaluates,
 and finishes the run, or fails it with the reason. A run whose evaluator died is claimed again once its lock
-expires, at most ``EAGLET_EVAL_MAX_ATTEMPTS`` times.
+expires, at most ``EAGLET_EVAL_MAX_ATTEMPTS`` times. SIGTERM stops an evaluation where it is (its SGLang servers
+with it) and gives the run back at once, uncounted: a stopped container's run is the next evaluator's.
 """
 
 import json
 import logging
+import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -121,11 +123,24 @@ def next_run(redis: Redis, settings: EvaluatorSettings, owner: str) -> str | Non
     return None
 
 
-def evaluate_claimed(redis: Redis, settings: EvaluatorSettings, run_id: str, owner: str) -> bool:
-    """Chooses and evaluates the claimed run's drafter and finishes the run (True), or fails it with the reason."""
+class Stopped(BaseException):
+    """SIGTERM during an evaluation: a BaseException, so no ``except Exception`` on the way takes it for a failure."""
+
+
+def evaluate_claimed(
+    redis: Redis, settings: EvaluatorSettings, run_id: str, owner: str, stopping: threading.Event | None = None
+) -> bool:
+    """Chooses and evaluates the claimed run's drafter and finishes the run (True), or fails it with the reason;
+    on SIGTERM (in the main thread) it stops, sets ``stopping`` and gives the run back as it found it."""
     state = RunState(redis, run_id)
     attempt = state.add_eval_attempt()
     done = threading.Event()
+
+    def stop(*_) -> None:
+        raise Stopped
+
+    # the evaluation unwinds (each `serving` stops its server on the way out); the service loop then ends
+    earlier = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
 
     def hold() -> None:  # the lock renewed and the stage's heartbeat beaten until the work ends
         ttl_ms = int(settings.eval_lock_ttl_s * 1000)
@@ -148,11 +163,20 @@ def evaluate_claimed(redis: Redis, settings: EvaluatorSettings, run_id: str, own
         after_training(state, settings, resolve_model_dir(model, settings.model_cache_dir), request)
         state.finish()
         return True
+    except Stopped:
+        log.warning("run %s: stopped (SIGTERM) during the evaluation; the run goes back to the evaluation service",
+                    run_id)  # fmt: skip
+        state.add_eval_attempt(-1)
+        if stopping is not None:
+            stopping.set()
+        return True
     except Exception as e:
         log.error("run %s: evaluation failed", run_id, exc_info=True)
         state.fail(f"evaluation: {type(e).__name__}: {e}")
         return False
     finally:
+        if earlier is not None:
+            signal.signal(signal.SIGTERM, earlier)
         done.set()
         holder.join(10)
         redis.eval(UNLOCK, 1, RunKeys(run_id).eval_lock, owner)
@@ -165,7 +189,7 @@ def main() -> int:
     return follow_runs(
         "evaluating those the trainers leave to this service",
         lambda owner: next_run(redis, settings, owner),
-        lambda run, owner, _: evaluate_claimed(redis, settings, run, owner),
+        lambda run, owner, stopping: evaluate_claimed(redis, settings, run, owner, stopping),
         settings.eval_alive_file, settings.eval_poll_s,
     )  # fmt: skip
 

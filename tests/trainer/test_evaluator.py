@@ -4,6 +4,7 @@ the reason; an evaluator that died leaves its run to the next one."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -91,3 +92,26 @@ def test_a_failed_evaluation_fails_the_run_and_a_dead_evaluators_run_is_claimed_
     redis.delete(state.keys.eval_lock)  # ...and it died
     assert evaluator.next_run(redis, settings, "c") is None
     assert state.stage() == Stage.failed and "2 evaluators claimed the run" in (state.meta().error or "")
+
+
+def test_a_stopped_evaluator_gives_the_run_back_at_once(redis, env, tmp_path, tiny_model_dir, monkeypatch):
+    make_run(redis, tmp_path, tiny_model_dir, "stop", n=12)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(400)))
+    monkeypatch.setenv("EAGLET_EVAL_SERVICE", "true")
+    assert trained("stop", tiny_model_dir, prompts, "--eval-max-new-tokens", "48") == 0
+    state = RunState(redis, "stop")
+    proc = subprocess.Popen([sys.executable, "-m", "eaglet.services.trainer.evaluator"], env={**os.environ, **env})
+    try:
+        deadline = time.time() + 60
+        while not (state.eval().prompts_done or 0) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)  # stopped well inside its 400 prompts
+        assert state.eval().state == "running"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0  # not after the rest of the prompts
+    finally:
+        proc.kill()
+    assert (state.eval().prompts_done or 0) < 400
+    assert state.stage() == Stage.evaluating and not state.meta().eval_attempts  # given back, not counted
+    assert redis.get(state.keys.eval_lock) is None
+    assert evaluator.next_run(redis, evaluator.EvaluatorSettings(), "next") == "stop"  # the next evaluator's at once
