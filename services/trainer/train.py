@@ -186,6 +186,7 @@ class Session:
     epoch: int = 0
     batch: int = 0  # batches of the epoch done: where a resumed epoch starts
     last: dict = field(default_factory=dict)  # loss and per-step accuracy of the newest step
+    saved_step: int | None = None  # the step of the newest checkpoint (with its held-out pass) this process made
     # the figures of the steps not yet read back from the device: (step, lr, [loss, step losses, accuracies, tokens],
     # gradient norm); read in one go at the next report or checkpoint, so no step waits for the GPU to finish
     pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -217,7 +218,8 @@ def train(
             while s.step < s.total:
                 train_epoch(s, on_step)
                 if cfg.keep_epochs and s.batch == 0 and s.step < s.total:  # an epoch ended, training did not
-                    checkpoint(s)
+                    if s.saved_step != s.step:  # not just checkpointed by --checkpoint-every
+                        checkpoint(s)
                     keep_epoch(s)
         final = finish(s)
     finally:
@@ -552,6 +554,7 @@ def checkpoint(s: Session) -> dict:
     path = save(s) if s.env.main else None
     figures = heldout(s)
     s.rep.heldout(s.step, figures)
+    s.saved_step = s.step
     if path is not None and figures:  # the export carries its own held-out figures: the served prediction's input
         (s.drafter_out / ckpt.HELDOUT).write_text(json.dumps({"step": s.step, **figures}))
     return {"last_checkpoint": str(path), **figures} if path is not None else figures

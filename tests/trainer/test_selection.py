@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from eaglet.services.trainer import main as trainer_main
-from eaglet.services.trainer import selection
+from eaglet.services.trainer import selection, train
 from eaglet.services.trainer.checkpoint import HELDOUT
 from eaglet.services.trainer.selection import Candidate
 from eaglet.shared.alerts import StatusConfig
@@ -125,3 +125,17 @@ def test_a_dflash_run_is_chosen_at_its_blocks_positions(redis, env, tmp_path, ti
     report = json.loads((run_dir(tmp_path, "dfl") / "selection.json").read_text())
     assert report["positions"] == 3 and len(report["candidates"]) == 3  # a block of 4: three drafted positions
     assert (drafter_dir(tmp_path, "dfl") / "config.json").read_text().count("DFlashDraftModel") == 1
+
+
+def test_an_epoch_end_on_a_checkpoint_step_is_checkpointed_once(redis, env, tmp_path, tiny_model_dir, monkeypatch):
+    make_run(redis, tmp_path, tiny_model_dir, "every", n=12)
+    assert trainer_main.main(train_args("every", tiny_model_dir)) == 0
+    per_epoch = (RunState(redis, "every").train().total_steps or 0) // 3
+    passes = []
+    real = train.heldout
+    monkeypatch.setattr(train, "heldout", lambda s: passes.append(s.step) or real(s))  # counts, changes nothing
+    make_run(redis, tmp_path, tiny_model_dir, "once", n=12)
+    args = train_args("once", tiny_model_dir, "--keep-epochs", "--checkpoint-every", str(per_epoch))
+    assert trainer_main.main(args) == 0
+    assert passes == [per_epoch, 2 * per_epoch, 3 * per_epoch]  # not twice at the epochs' ends
+    assert sorted(p.name for p in selection.epochs_dir(run_dir(tmp_path, "once")).iterdir()) == ["0001", "0002", "0003"]
