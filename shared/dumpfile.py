@@ -19,9 +19,10 @@ them as they are: half the bytes through the dump folder, the copy and the disk.
 A request may also ask for the target's top-k distribution (``custom_params: {"eaglet_topk": k}``, sent when the
 run's layout keeps one instead of the final state): the dump then holds ``topk_ids`` int32 [T, k] and ``topk_logp``
 float16 [T, k] beside the states, computed by the server from its LM head (shared/topk.py), metadata
-``topk: k``. Those replace the final state: the dump holds no ``hidden_states`` (a run that keeps the top-k never
-stores the final state, so it does not cross to the host). A server that cannot compute them writes no dump, and the
-worker fails the sample with that reason.
+``topk: k``; with ``"eaglet_topk_rows": [[start, end], ...]`` beside it (sent when the run keeps the top-k at
+loss positions only), only those positions' rows, in order. Those replace the final state: the dump holds no
+``hidden_states`` (a run that keeps the top-k never stores the final state, so it does not cross to the host). A
+server that cannot compute them writes no dump, and the worker fails the sample with that reason.
 
 A request may ask for its auxiliary states 4-bit encoded (``custom_params: {"eaglet_aux": "e2m1_b32"}``, sent when the
 run stores them so): the server encodes them on its device with the store's encoder (shared/fp4.py), and the dump
@@ -53,7 +54,7 @@ from .store import (
     encode_fp8,
 )
 from .tensorfile import FileSlice, TensorFileError, map_tensors, read_header, row_blocks
-from .topk import TOPK_PARAM, TOPK_TENSORS, check_topk
+from .topk import TOPK_PARAM, TOPK_ROWS_PARAM, TOPK_TENSORS, Spans, check_topk, parse_spans, spans_length
 
 SUFFIX = ".safetensors"
 FINITE_CHECK_BYTES = 8 << 20  # of float32: 4 MB of a bf16 dump a block
@@ -86,8 +87,12 @@ class DumpEncoding:
     """The target's top-k distribution in place of the final state (k entries a token; 0: none, the final state)."""
     aux_fp4: bool = False
     """The auxiliary states 4-bit encoded (shared/fp4.py)."""
+    topk_rows: Spans | None = None
+    """The positions the top-k scores (shared/topk.py ``loss_spans``); None: every position."""
 
     def __post_init__(self) -> None:
+        if self.topk_rows is not None and not self.topk:
+            raise ValueError(f"{TOPK_ROWS_PARAM} without {TOPK_PARAM}: the rows of which top-k?")
         if self.fp8 and self.aux_fp4:  # fp8 then 4-bit would round twice; the store refuses it too
             raise ValueError(
                 f"{DUMP_ENCODING_PARAM}={FP8_ENCODING} with {AUX_ENCODING_PARAM}={FP4_STORAGE}: ask for one"
@@ -98,8 +103,13 @@ class DumpEncoding:
         return {
             **({DUMP_ENCODING_PARAM: FP8_ENCODING} if self.fp8 else {}),
             **({TOPK_PARAM: self.topk} if self.topk else {}),
+            **({TOPK_ROWS_PARAM: [list(span) for span in self.topk_rows]} if self.topk_rows is not None else {}),
             **({AUX_ENCODING_PARAM: FP4_STORAGE} if self.aux_fp4 else {}),
         }
+
+    def topk_length(self, num_tokens: int) -> int:
+        """Rows of the top-k a dump of a ``num_tokens`` prompt holds."""
+        return spans_length(self.topk_rows, num_tokens)
 
     @classmethod
     def from_params(cls, custom_params: dict | None, vocab_size: int) -> "DumpEncoding":
@@ -116,7 +126,12 @@ class DumpEncoding:
         aux = params.get(AUX_ENCODING_PARAM)
         if aux not in (None, FP4_STORAGE):
             raise ValueError(f"custom_params.{AUX_ENCODING_PARAM}={aux!r}: the one value is {FP4_STORAGE!r}")
-        return cls(fp8=params.get(DUMP_ENCODING_PARAM) == FP8_ENCODING, topk=topk, aux_fp4=aux == FP4_STORAGE)
+        rows = params.get(TOPK_ROWS_PARAM)
+        spans = None if rows is None else parse_spans(rows, f"custom_params.{TOPK_ROWS_PARAM}")
+        if spans is not None and not topk:
+            raise ValueError(f"custom_params.{TOPK_ROWS_PARAM} without {TOPK_PARAM}: the rows of which top-k?")
+        return cls(fp8=params.get(DUMP_ENCODING_PARAM) == FP8_ENCODING, topk=topk, aux_fp4=aux == FP4_STORAGE,
+                   topk_rows=spans)  # fmt: skip
 
 
 def dump_forms(encoding: DumpEncoding) -> dict[str, str]:
@@ -290,7 +305,8 @@ def write_dump_parts(
     tensors = {k: t.contiguous() for k, t in parts.items()}
     metadata = {
         "rid": rid,
-        "num_tokens": str(next(iter(tensors.values())).shape[0]),
+        # the aux states are at every position (a top-k may be at some only)
+        "num_tokens": str(tensors[next(k for k in ("aux_hidden_states", FP4_AUX_TENSORS[0]) if k in tensors)].shape[0]),
         "aux_layer_ids": json.dumps(list(aux_layer_ids)),
         "model": model,
         "dtype": str(dtype).removeprefix("torch."),
@@ -331,15 +347,15 @@ def read_dump(path: Path) -> Dump:
 
 def validate_dump(
     dump: Dump, *, rid: str, num_tokens: int, hidden_size: int, topk: int = 0, vocab_size: int | None = None,
-    aux_fp4: bool = False,
+    aux_fp4: bool = False, topk_rows: int | None = None,
 ) -> None:  # fmt: skip
     """Raises ``DumpInvalid`` with the reason unless the dump is this request's, whole and finite, with what it was
     asked for: the top-k distribution of ``topk`` entries over ``vocab_size`` tokens (``topk`` > 0; else the final
-    state), the aux states 4-bit encoded (``aux_fp4``; else at full width), K states of ``hidden_size`` for the K
-    layers its metadata names."""
+    state) at ``topk_rows`` positions (None: all), the aux states 4-bit encoded (``aux_fp4``; else at full width),
+    K states of ``hidden_size`` for the K layers its metadata names."""
     where = f"dump {rid}"
     if topk:
-        _validate_topk(dump, where, num_tokens, topk, vocab_size)
+        _validate_topk(dump, where, num_tokens if topk_rows is None else topk_rows, topk, vocab_size)
     got_rid = dump.metadata.get("rid")
     if got_rid != rid:
         raise DumpInvalid(f"{where}: metadata rid is {got_rid!r}")
@@ -408,13 +424,17 @@ def _validate_fp8(dump: Dump, full: dict[str, torch.Tensor], where: str, num_tok
                 raise DumpInvalid(f"{where}: {name} has NaN (first at token {bad_row})")
 
 
-def _validate_topk(dump: Dump, where: str, num_tokens: int, k: int, vocab_size: int | None) -> None:
+def _validate_topk(dump: Dump, where: str, rows: int, k: int, vocab_size: int | None) -> None:
     if len(dump.topk) != len(TOPK_TENSORS):
         raise DumpInvalid(f"{where}: asked for the top-{k} distribution, the dump holds none (does its server "
                           f"compute it? the reference server does)")  # fmt: skip
     if vocab_size is None:
         raise DumpInvalid(f"{where}: the run records no vocabulary size to check its top-{k} ids against")
+    got = dump.topk[TOPK_TENSORS[0]].shape[0]
+    if got != rows:
+        older = f" (a server older than this worker ignores {TOPK_ROWS_PARAM}: update its image)" if got > rows else ""
+        raise DumpInvalid(f"{where}: top-{k} distribution of {got} rows, {rows} asked for{older}")
     try:
-        check_topk(*(dump.topk[n] for n in TOPK_TENSORS), rows=num_tokens, k=k, vocab_size=vocab_size, where=where)
+        check_topk(*(dump.topk[n] for n in TOPK_TENSORS), rows=rows, k=k, vocab_size=vocab_size, where=where)
     except TopkError as e:
         raise DumpInvalid(str(e)) from e

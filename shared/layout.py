@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal, cast, get_args
 
 FinalStorage = Literal["all", "loss", "topk"]
+TopkRows = Literal["all", "loss"]
 AuxStorage = Literal["full", "fp4"]
 NUM_AUX = 3
 """Aux states a token of a run that records no layers (EAGLE-3's three); a run's own count is its layers'."""
@@ -50,8 +51,15 @@ class Layout:
     topk: int = 0
     """Entries kept a token when ``final`` is ``topk``; 0 otherwise."""
     aux: AuxStorage = "full"
+    topk_rows: TopkRows = "all"
+    """Where a ``topk`` layout keeps the distribution: at ``all`` positions, or at the ``loss`` positions only (the
+    rows of ``loss_rows``, in order: all a loss reads), computed by the server at those rows only."""
 
     def __post_init__(self) -> None:
+        if self.topk_rows not in get_args(TopkRows):
+            raise ValueError(f"store_topk_rows={self.topk_rows!r}: use one of {', '.join(get_args(TopkRows))}")
+        if self.topk_rows != "all" and self.final != "topk":
+            raise ValueError(f"store_topk_rows={self.topk_rows}: only a run with store_final 'topk' keeps a top-k")
         if self.final not in get_args(FinalStorage):
             raise ValueError(f"store_final={self.final!r}: use one of {', '.join(get_args(FinalStorage))}")
         if self.aux not in get_args(AuxStorage):
@@ -67,7 +75,8 @@ class Layout:
         final = metadata.get("final_storage", "all")
         aux = "fp4" if metadata.get("aux_storage") == FP4_STORAGE else "full"
         topk = int(metadata.get("topk", 0)) if final == "topk" else 0
-        return cls(final=cast(FinalStorage, final), topk=topk, aux=cast(AuxStorage, aux))
+        rows = cast(TopkRows, metadata.get("topk_rows", "all"))
+        return cls(final=cast(FinalStorage, final), topk=topk, aux=cast(AuxStorage, aux), topk_rows=rows)
 
     def metadata(self) -> dict[str, str]:
         """What a stored sample's metadata records of its layout (nothing for the default: files read as before)."""
@@ -76,21 +85,25 @@ class Layout:
             out["final_storage"] = self.final
         if self.final == "topk":
             out["topk"] = str(self.topk)
+        if self.topk_rows != "all":
+            out["topk_rows"] = self.topk_rows
         if self.aux == "fp4":
             out["aux_storage"] = FP4_STORAGE
         return out
 
     @property
     def name(self) -> str:
-        """Short name of the layout, as tables and run names spell it: all, loss, top32, each with +fp4 aux."""
-        final = f"top{self.topk}" if self.final == "topk" else self.final
+        """Short name of the layout, as tables and run names spell it: all, loss, top32 (at every position:
+        top32@all), each with +fp4 aux."""
+        final = f"top{self.topk}" + ("@all" if self.topk_rows == "all" else "") if self.final == "topk" else self.final
         return final + ("+fp4" if self.aux == "fp4" else "")
 
 
 # The default layout: the target's top-24 distribution in place of the final state, the auxiliary states in 4 bits.
 # 0.243x bf16's bytes, and the default recipe on it accepted as many tokens as on bf16 on SGLang (SmolLM2, the
-# head-to-head's data: +2.0 % HumanEval, +1.6 % held-out) and on CPU (two seeds): BENCHMARKS.md section 4b.
-DEFAULT_LAYOUT = Layout(final="topk", topk=24, aux="fp4")
+# head-to-head's data: +2.0 % HumanEval, +1.6 % held-out) and on CPU (two seeds): BENCHMARKS.md section 4b. The
+# top-k at loss positions only: the rows the trainer reads, so training is the same, the server scores fewer rows.
+DEFAULT_LAYOUT = Layout(final="topk", topk=24, aux="fp4", topk_rows="loss")
 
 
 def state_bytes(width: int, dtype: str, model_itemsize: int = 2) -> float:
@@ -116,7 +129,7 @@ def bytes_per_token(
     elif layout.final == "loss":
         final = loss_fraction * state_bytes(hidden_size, store_dtype, model_itemsize)
     else:
-        final = 6 * layout.topk  # int32 id + float16 log-probability an entry
+        final = 6 * layout.topk * (loss_fraction if layout.topk_rows == "loss" else 1)  # int32 id + float16 logp
     width = num_aux * hidden_size
     if layout.aux == "fp4":
         aux = width / 2 + 2 * width / FP4_BLOCK  # 4-bit codes + one bfloat16 scale a block

@@ -21,7 +21,7 @@ from .layers import (
     layer_ids_problem,
     parse_layer_ids,
 )
-from .layout import DEFAULT_LAYOUT, AuxStorage, FinalStorage, Layout
+from .layout import DEFAULT_LAYOUT, AuxStorage, FinalStorage, Layout, TopkRows
 
 Overlong = Literal["truncate", "reject"]
 StoreDtype = Literal["model", "bf16", "fp8"]
@@ -39,6 +39,7 @@ class StoreOptions(TypedDict, total=False):
     store_dtype: StoreDtype | None
     store_final: FinalStorage
     store_topk: int
+    store_topk_rows: TopkRows
     store_aux: AuxStorage
     method: Method
     aux_layer_ids: list[int] | None
@@ -119,6 +120,9 @@ class RunOptions:
     positions, or the target's ``topk`` distribution instead. Fixed at ingest, as ``store_dtype``."""
     store_topk: Annotated[int, Field(ge=0)] = 0
     """Entries of the top-k distribution a token keeps (``store_final: topk``: 1 to 1024; 24 when left 0)."""
+    store_topk_rows: TopkRows = DEFAULT_LAYOUT.topk_rows
+    """Where the top-k is kept: at the ``loss`` positions only (what the trainer reads) or at ``all``; ignored
+    unless ``store_final: topk``."""
     store_aux: AuxStorage = DEFAULT_LAYOUT.aux
     """The auxiliary states at ``full`` width (``store_dtype``) or block-scaled 4-bit (``fp4``)."""
     method: Method = "eagle3"
@@ -150,6 +154,8 @@ class RunOptions:
             raise ValueError(f"limit={self.limit}: must be at least 1")
         if self.store_dtype is not None and self.store_dtype not in get_args(StoreDtype):
             raise ValueError(f"store_dtype={self.store_dtype!r}: use one of {', '.join(get_args(StoreDtype))}")
+        if self.store_topk_rows not in get_args(TopkRows):
+            raise ValueError(f"store_topk_rows={self.store_topk_rows!r}: use one of {', '.join(get_args(TopkRows))}")
         if self.store_final == "topk" and self.store_topk == 0:
             object.__setattr__(self, "store_topk", DEFAULT_TOPK)
         self.layout()  # checks the three store_ fields together
@@ -182,7 +188,8 @@ class RunOptions:
 
     def layout(self) -> Layout:
         """The storage layout these options name."""
-        return Layout(final=self.store_final, topk=self.store_topk, aux=self.store_aux)
+        rows = self.store_topk_rows if self.store_final == "topk" else "all"
+        return Layout(final=self.store_final, topk=self.store_topk, aux=self.store_aux, topk_rows=rows)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -204,6 +211,9 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
     # 0, not the built default's k: a k given with --store-final all or loss is refused
     parser.add_argument("--store-topk", type=int, default=0,
                         help=f"entries a token of --store-final topk keeps (default {DEFAULT_TOPK})")  # fmt: skip
+    parser.add_argument("--store-topk-rows", choices=get_args(TopkRows), default=defaults.store_topk_rows,
+                        help="with --store-final topk: the distribution at loss positions only (what training "
+                        f"reads) or at all (default {defaults.store_topk_rows})")  # fmt: skip
     parser.add_argument("--store-aux", choices=get_args(AuxStorage), default=defaults.store_aux,
                         help="the auxiliary states at full width or block-scaled 4-bit "
                         f"(default {defaults.store_aux})")  # fmt: skip
@@ -224,4 +234,5 @@ def _layer_ids_flag(text: str) -> list[int]:
 def store_flags(args: argparse.Namespace) -> StoreOptions:
     """What the flags of ``add_store_flags`` set, as ``RunOptions`` fields."""
     return StoreOptions(store_dtype=args.store_dtype, store_final=args.store_final, store_topk=args.store_topk,
-                        store_aux=args.store_aux, method=args.method, aux_layer_ids=args.aux_layer_ids)  # fmt: skip
+                        store_topk_rows=args.store_topk_rows, store_aux=args.store_aux, method=args.method,
+                        aux_layer_ids=args.aux_layer_ids)  # fmt: skip

@@ -106,7 +106,7 @@ def encode_states(
     if layout.final == "topk":
         if any(k not in tensors for k in TOPK_TENSORS):
             raise ValueError(f"layout {layout.name}: the dump holds no top-k distribution (topk_ids, topk_logp)")
-        out.update({k: tensors[k] for k in TOPK_TENSORS})
+        out.update(_topk_rows(tensors, layout))
     else:
         rows = loss_rows(tensors["loss_mask"]) if layout.final == "loss" else None
         out.update(_full_width(tensors, "hidden_states", store_dtype, arrived_fp8, rows))
@@ -121,6 +121,22 @@ def encode_states(
     elif store_dtype == "fp8":
         metadata["storage"] = FP8_STORAGE
     return out, metadata
+
+
+def _topk_rows(tensors: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    """The top-k tensors at the rows ``layout`` keeps: as they arrived when the server scored those rows only, else
+    (a distribution at every position) the loss rows taken out."""
+    topk = {k: tensors[k] for k in TOPK_TENSORS}
+    if layout.topk_rows == "all":
+        return topk
+    rows = loss_rows(tensors["loss_mask"])
+    have = topk[TOPK_TENSORS[0]].shape[0]
+    if have == len(rows):
+        return topk
+    if have != len(tensors["input_ids"]):
+        raise ValueError(f"layout {layout.name}: a top-k of {have} rows, neither the {len(rows)} loss positions nor "
+                         f"all {len(tensors['input_ids'])}")  # fmt: skip
+    return {k: t[rows] for k, t in topk.items()}
 
 
 def _full_width(
@@ -182,7 +198,8 @@ def decode_states(
 ) -> dict[str, torch.Tensor]:
     """A stored sample's states for training: ``aux_hidden_states`` [T, 3H] in ``dtype``, and either
     ``hidden_states`` [T, H] in ``dtype`` (zero rows where a ``loss`` layout kept none: no loss reads them) or, for
-    a ``topk`` layout, ``topk_ids`` int64 [T, k] and ``topk_logp`` float32 [T, k]."""
+    a ``topk`` layout, ``topk_ids`` int64 [T, k] and ``topk_logp`` float32 [T, k] (log-probabilities -inf where one
+    kept at loss positions only has none: no loss reads them either)."""
     layout = Layout.from_metadata(metadata)
     fp8 = metadata.get("storage") == FP8_STORAGE
 
@@ -195,7 +212,13 @@ def decode_states(
         out = {"aux_hidden_states": decode_fp4(tensors[FP4_AUX_TENSORS[0]], tensors[FP4_AUX_TENSORS[1]], dtype)}
     else:
         out = {"aux_hidden_states": full("aux_hidden_states")}
-    if layout.final == "topk":
+    if layout.final == "topk" and layout.topk_rows == "loss":  # no distribution elsewhere: all its mass in the tail
+        rows, k = loss_rows(tensors["loss_mask"]), tensors["topk_ids"].shape[1]
+        ids = torch.zeros(len(tensors["input_ids"]), k, dtype=torch.int64)
+        logp = torch.full((len(tensors["input_ids"]), k), float("-inf"))
+        ids[rows], logp[rows] = tensors["topk_ids"].long(), tensors["topk_logp"].float()
+        out.update(topk_ids=ids, topk_logp=logp)
+    elif layout.final == "topk":
         out.update(topk_ids=tensors["topk_ids"].long(), topk_logp=tensors["topk_logp"].float())
     elif layout.final == "loss":
         hidden = torch.zeros(len(tensors["input_ids"]), tensors["hidden_states"].shape[1], dtype=dtype)
@@ -284,8 +307,9 @@ def sample_is_complete(path: Path, num_tokens: int, num_loss_rows: int | None = 
         return False  # a layout this code does not know: not a file we wrote
     if any(k not in shapes for k in rows):
         return False
-    if num_loss_rows is None and "hidden_states" in rows and rows["hidden_states"] is None:
-        return shapes["hidden_states"][0] <= num_tokens
+    unknown = [k for k, n in rows.items() if n is None]  # a loss layout's rows, their count not given
+    if any(shapes[k][0] > num_tokens for k in unknown):
+        return False
     return all(shapes[k][0] == n for k, n in rows.items() if n is not None)
 
 
@@ -296,7 +320,7 @@ def stored_rows(
     rows: dict[str, int | None] = {"input_ids": num_tokens, "loss_mask": num_tokens}
     fp8 = metadata.get("storage") == FP8_STORAGE
     if layout.final == "topk":
-        rows.update(dict.fromkeys(TOPK_TENSORS, num_tokens))
+        rows.update(dict.fromkeys(TOPK_TENSORS, num_loss_rows if layout.topk_rows == "loss" else num_tokens))
     else:
         n = num_loss_rows if layout.final == "loss" else num_tokens
         rows.update(dict.fromkeys(("hidden_states", *(("hidden_states_scale",) if fp8 else ())), n))

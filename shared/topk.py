@@ -11,6 +11,11 @@ it. The trainer maps the ids onto its draft vocabulary and treats the rest of th
 (services/trainer/topk.py).
 
 The server computes it (it alone holds the LM head), with ``encode_topk``: plain torch, on its GPU or on the CPU.
+
+Only at loss positions, when the request names them (``TOPK_ROWS_PARAM``: the spans of positions whose next token
+is under the loss mask, ``loss_spans``): the LM-head product and the selection cost a share of the forward in
+proportion to the rows scored, and a chat prompt's system and user turns are rows no loss reads. The dump's top-k
+then holds those rows only, in position order, and so does the stored sample (shared/layout.py ``topk_rows``).
 """
 
 from collections.abc import Iterator
@@ -23,6 +28,10 @@ from .tensorfile import row_blocks
 TOPK_TENSORS = ("topk_ids", "topk_logp")
 TOPK_PARAM = "eaglet_topk"
 """The request's ``sampling_params.custom_params`` key asking for the top-k distribution in the dump; its value: k."""
+TOPK_ROWS_PARAM = "eaglet_topk_rows"
+"""...and the positions to score: ``[[start, end], ...]`` spans of the prompt, rising and apart; absent: every one."""
+
+Spans = tuple[tuple[int, int], ...]
 _LOGITS_BYTES = 256 << 20
 _LOGP_SLACK = 1e-2  # float16 rounding of a log-probability near 0
 _CHUNK = 64  # columns a chunk in ``top_logits``: about sqrt(V / k), so the maxima (V / 64 a row) and the candidates
@@ -91,3 +100,44 @@ def check_topk(ids: torch.Tensor, logp: torch.Tensor, *, rows: int, k: int, voca
             if bool(bad.any()):
                 token = block.start + int(bad.nonzero()[0, 0])
                 raise TopkError(f"{where}: top-k distribution has {what} (first at token {token})")
+
+
+def loss_spans(loss_mask: torch.Tensor) -> Spans:
+    """The spans [start, end) of the positions whose next token is under ``loss_mask`` [T]: the rows a loss reads
+    (position p predicts token p + 1), as few numbers as the prompt has answer turns."""
+    m = torch.zeros(len(loss_mask) + 1, dtype=torch.int8)
+    m[1:-1] = loss_mask[1:].bool().to(torch.int8)
+    edges = torch.nonzero(m[1:] != m[:-1]).flatten().tolist()  # where a span starts or ends, in turn
+    return tuple((edges[i], edges[i + 1]) for i in range(0, len(edges), 2))
+
+
+def parse_spans(value: object, where: str) -> Spans:
+    """``value`` (a request's ``TOPK_ROWS_PARAM``) as spans; ``ValueError`` naming ``where`` unless they are pairs
+    of integers, each span not empty, rising and apart."""
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{where}={value!r}: give a list of [start, end] spans")
+    spans, end = [], 0
+    for span in value:
+        if not (isinstance(span, list | tuple) and len(span) == 2 and all(type(x) is int for x in span)):
+            raise ValueError(f"{where}: span {span!r} is not a pair of integers [start, end]")
+        start, stop = span
+        if not end <= start < stop:
+            raise ValueError(f"{where}: span {list(span)} is empty, or overlaps or precedes the one before it")
+        spans.append((start, stop))
+        end = stop
+    return tuple(spans)
+
+
+def span_rows(spans: Spans | None, first: int, count: int) -> torch.Tensor | None:
+    """The rows (int64 indices into ``[0, count)``) of the positions ``[first, first + count)`` (a prefill chunk)
+    that ``spans`` covers; None: ``spans`` is None, every row."""
+    if spans is None:
+        return None
+    last = first + count
+    parts = [torch.arange(max(a, first), min(b, last)) - first for a, b in spans if a < last and b > first]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def spans_length(spans: Spans | None, num_tokens: int) -> int:
+    """Rows a top-k over ``spans`` of a ``num_tokens`` prompt holds."""
+    return num_tokens if spans is None else sum(min(b, num_tokens) - min(a, num_tokens) for a, b in spans)

@@ -41,6 +41,7 @@ from eaglet.shared.records import RunMeta
 from eaglet.shared.runstate import RunState, Stage
 from eaglet.shared.samples import Sample, SampleSet
 from eaglet.shared.store import StoreError, sample_is_complete, sample_path, samples_dir, write_sample
+from eaglet.shared.topk import loss_spans
 
 log = logging.getLogger(__name__)
 
@@ -171,15 +172,18 @@ class Extractor:
         # (it alone has the LM head), fp8 states (half the bytes to move and write), 4-bit aux states (a quarter).
         # A run storing fp8 with 4-bit aux states gets its final state at full width and encodes it here: fp8 then
         # 4-bit would round the aux states twice.
+        # A top-k kept at loss positions is scored at those rows only: the request names them (a few spans).
+        spans = loss_spans(torch.from_numpy(sample.loss_mask)) if layout.topk_rows == "loss" else None
         encoding = DumpEncoding(fp8=store == "fp8" and layout.aux == "full", topk=layout.topk,
-                                aux_fp4=layout.aux == "fp4")  # fmt: skip
+                                aux_fp4=layout.aux == "fp4", topk_rows=spans)  # fmt: skip
         try:
             self._prefill(rid, sample, encoding)
             lap("prefill")
             dump = self._wait_for_dump(dump_file, rid)
             lap("dump_wait")
             validate_dump(dump, rid=rid, num_tokens=len(sample.input_ids), hidden_size=meta.hidden_size,
-                          topk=layout.topk, vocab_size=meta.vocab_size, aux_fp4=encoding.aux_fp4)  # fmt: skip
+                          topk=layout.topk, vocab_size=meta.vocab_size, aux_fp4=encoding.aux_fp4,
+                          topk_rows=encoding.topk_length(len(sample.input_ids)))  # fmt: skip
             if dump.fp8 != encoding.fp8:
                 raise DumpInvalid(f"dump {rid}: storage {dump.metadata.get('storage')!r}, but this worker asked for "
                                   f"{FP8_ENCODING if encoding.fp8 else 'full width'}")  # fmt: skip

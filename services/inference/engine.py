@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglet.shared.dumpfile import DumpEncoding, dump_forms, encode_forms
 from eaglet.shared.layers import default_layer_ids, layer_ids_problem
-from eaglet.shared.topk import TOPK_TENSORS, encode_topk
+from eaglet.shared.topk import TOPK_TENSORS, encode_topk, span_rows
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,9 @@ class ReferenceEngine:
         forms = encode_forms(final, aux, [parts])
         states = {name: forms[form].cpu() for name, form in parts.items()}
         if encoding.topk:
-            topk = encode_topk(final, self.model.lm_head.weight, encoding.topk)
+            rows = span_rows(encoding.topk_rows, 0, final.shape[0])  # the positions asked for, or all
+            scored = final if rows is None else final[rows.to(final.device)]
+            topk = encode_topk(scored, self.model.lm_head.weight, encoding.topk)
             states.update(zip(TOPK_TENSORS, (t.cpu() for t in topk), strict=True))
         return Prefill(states, next_token)
 

@@ -31,11 +31,12 @@ from tests.extractor.test_pipeline import extractor_for, settings, write_dataset
     [
         dict(store_final="loss", store_aux="full"),
         dict(store_final="topk", store_topk=8, store_aux="full"),
+        dict(store_final="topk", store_topk=8, store_aux="full", store_topk_rows="all"),
         dict(store_final="all", store_aux="fp4"),
         dict(store_final="topk", store_topk=8, store_aux="fp4", store_dtype="fp8"),
         dict(),
     ],  # fmt: skip
-    ids=["loss", "top8", "fp4", "top8+fp4-fp8", "default"],
+    ids=["loss", "top8", "top8@all", "fp4", "top8+fp4-fp8", "default"],
 )
 def test_each_layout_stores_what_the_run_asks_for(redis, settings, tmp_path, options):  # noqa: F811
     write_dataset(tmp_path / "data.jsonl", 2)
@@ -56,7 +57,9 @@ def test_each_layout_stores_what_the_run_asks_for(redis, settings, tmp_path, opt
     if layout.final == "topk":
         assert "hidden_states" not in narrow
         head = load_target_tensors(Path(settings.model))["lm_head"]
-        ids, logp = encode_topk(wide["hidden_states"], head, layout.topk)
+        # the server scored the loss positions only (the default), or every one
+        scored = wide["hidden_states"][rows] if layout.topk_rows == "loss" else wide["hidden_states"]
+        ids, logp = encode_topk(scored, head, layout.topk)
         assert torch.equal(narrow["topk_ids"], ids)
         torch.testing.assert_close(narrow["topk_logp"], logp, atol=2e-3, rtol=1e-3)
     if layout.aux == "fp4":

@@ -21,7 +21,7 @@ from eaglet.shared.store import (
     sample_is_complete,
     write_sample,
 )
-from eaglet.shared.topk import TOPK_TENSORS, check_topk, encode_topk, top_logits
+from eaglet.shared.topk import TOPK_TENSORS, check_topk, encode_topk, loss_spans, span_rows, top_logits
 
 H, V, T = 64, 300, 12
 
@@ -118,7 +118,8 @@ def test_k_out_of_range_is_refused_at_the_options_and_at_the_server():
         RunOptions(store_final="topk", store_topk=2000)
     with pytest.raises(ValueError, match="only a run with store_final 'topk'"):
         RunOptions(store_final="all", store_topk=8)
-    assert RunOptions(store_final="topk").layout() == Layout(final="topk", topk=24, aux="fp4")
+    assert RunOptions(store_final="topk").layout() == Layout(final="topk", topk=24, aux="fp4", topk_rows="loss")
+    assert RunOptions(store_final="all").layout() == Layout(final="all", aux="fp4")  # the top-k rows ignored
     with pytest.raises(ValueError, match="custom_params.eaglet_topk=400"):
         DumpEncoding.from_params({"eaglet_topk": 400}, V)
 
@@ -231,7 +232,8 @@ def test_a_default_layout_dump_holds_the_topk_and_4bit_aux_states_and_is_checked
     # the store keeps the dump's tensors as they are: what a worker stores is the dump, copied
     out, metadata = encode_states({"input_ids": s["input_ids"], "loss_mask": s["loss_mask"], **dump.states},
                                   dump.metadata, "model", Layout(final="topk", topk=4, aux="fp4"))  # fmt: skip
-    assert all(out[k] is dump.states[k] for k in dump.states) and Layout.from_metadata(metadata).name == "top4+fp4"
+    assert all(out[k] is dump.states[k] for k in dump.states)
+    assert Layout.from_metadata(metadata).name == "top4@all+fp4"  # the distribution at every position
 
 
 def test_a_corrupt_4bit_scale_in_a_dump_is_refused_naming_the_token(tmp_path):
@@ -255,3 +257,68 @@ def test_a_dump_request_names_its_forms_and_refuses_what_it_cannot_be():
         DumpEncoding(fp8=True, aux_fp4=True)
     with pytest.raises(ValueError, match="neither the final state nor its top-k"):
         write_dump(Path("."), "r", None, torch.zeros(2, 3 * H), aux_layer_ids=[1, 2, 3], model="m")
+
+
+def test_a_topk_at_loss_positions_is_scored_stored_and_read_at_those_rows_only(tmp_path):
+    """The default layout's top-k: the request names the loss spans, the server scores those rows only, the store
+    keeps them, and training reads at every loss position what a top-k over all positions gives there."""
+    s, head = sample(), torch.randn(V, H)
+    spans = loss_spans(s["loss_mask"])
+    assert spans == ((2, 5), (7, 11)) and torch.equal(span_rows(spans, 0, T), loss_rows(s["loss_mask"]))
+    assert span_rows(spans, 4, 4).tolist() == [0, 3]  # a prefill chunk of positions 4..7: rows 4 and 7
+    encoding = DumpEncoding(topk=4, aux_fp4=True, topk_rows=spans)
+    assert DumpEncoding.from_params(encoding.params(), V) == encoding and encoding.topk_length(T) == 7
+    rows = loss_rows(s["loss_mask"])
+    everywhere = encode_topk(s["hidden_states"], head, 4)
+    scored = encode_topk(s["hidden_states"][rows], head, 4)  # what a server asked for the spans computes
+    codes, scales = encode_fp4(s["aux_hidden_states"])
+    path = write_dump(tmp_path, "r", None, None, aux_layer_ids=[1, 2, 3], model="m", model_dtype=torch.float32,
+                      topk=scored, aux_fp4=(codes, scales))  # fmt: skip
+    dump = read_dump(path)
+    validate_dump(dump, rid="r", num_tokens=T, hidden_size=H, topk=4, vocab_size=V, aux_fp4=True, topk_rows=7)
+    with pytest.raises(DumpInvalid, match="top-4 distribution of 7 rows, 12 asked for"):
+        validate_dump(dump, rid="r", num_tokens=T, hidden_size=H, topk=4, vocab_size=V, aux_fp4=True)
+    loss = Layout(final="topk", topk=4, aux="fp4", topk_rows="loss")
+    assert loss.name == "top4+fp4" and loss.metadata()["topk_rows"] == "loss"
+    base = {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]}
+    out = tmp_path / "s.safetensors"
+    write_sample(out, {**base, **dump.states}, dump.metadata, layout=loss)
+    assert sample_is_complete(out, T, len(rows)) and not sample_is_complete(out, T, len(rows) - 1)
+    assert sample_is_complete(out, T)  # the loss rows not given: any count up to T
+    tensors, metadata = open_sample(out), read_metadata(out)
+    assert tensors["topk_ids"].shape == (7, 4) and Layout.from_metadata(metadata) == loss
+    read = decode_states(tensors, metadata, torch.float32)
+    assert torch.equal(read["topk_ids"][rows], everywhere[0][rows].long())
+    assert torch.equal(read["topk_logp"][rows], everywhere[1][rows].float())
+    others = torch.ones(T, dtype=torch.bool)
+    others[rows] = False
+    assert bool(torch.isneginf(read["topk_logp"][others]).all())  # no distribution: no loss reads them
+    # a dump of the top-k at every position stores its loss rows; one of another count is refused
+    stored, _ = encode_states({**base, "topk_ids": everywhere[0], "topk_logp": everywhere[1],
+                               "aux_hidden_states": s["aux_hidden_states"]}, {}, "model", Layout(final="topk", topk=4,
+                              topk_rows="loss"))  # fmt: skip
+    assert torch.equal(stored["topk_ids"], scored[0])
+    with pytest.raises(ValueError, match="a top-k of 3 rows, neither the 7 loss positions nor all 12"):
+        encode_states({**base, "topk_ids": everywhere[0][:3], "topk_logp": everywhere[1][:3],
+                       "aux_hidden_states": s["aux_hidden_states"]}, {}, "model", loss)  # fmt: skip
+    assert (
+        bytes_per_token(H, loss, "model", loss_fraction=0.5)
+        == bytes_per_token(H, Layout(final="topk", topk=4, aux="fp4"), "model") - 0.5 * 6 * 4
+    )
+
+
+@pytest.mark.parametrize(
+    ("rows", "reason"),
+    [
+        ("1,2", "give a list of"),
+        ([[1]], "not a pair of integers"),
+        ([[3, 3]], "is empty, or overlaps"),
+        ([[4, 6], [5, 8]], "is empty, or overlaps"),
+        ([[1.0, 2]], "not a pair of integers"),
+    ],
+)
+def test_a_request_naming_bad_topk_rows_is_refused_naming_them(rows, reason):
+    with pytest.raises(ValueError, match=f"custom_params.eaglet_topk_rows.*{reason}"):
+        DumpEncoding.from_params({"eaglet_topk": 4, "eaglet_topk_rows": rows}, V)
+    with pytest.raises(ValueError, match="the rows of which top-k"):
+        DumpEncoding.from_params({"eaglet_topk_rows": [[0, 2]]}, V)

@@ -10,8 +10,11 @@ import torch
 from eaglet.services.trainer.topk import draft_index, topk_terms
 from eaglet.services.trainer.train import Dist, train
 from eaglet.shared.layout import Layout
+from eaglet.shared.runoptions import RunOptions
 from eaglet.shared.store import checkpoints_dir
 from tests.trainer.fixtures import make_run
+from tests.trainer.test_dflash import LAYERS as DFLASH_LAYERS
+from tests.trainer.test_dflash import small as dflash_small
 from tests.trainer.test_train import small
 
 
@@ -92,18 +95,33 @@ def losses_of(data_dir, run_id) -> list[float]:
     return [json.loads(x)["loss"] for x in rows]
 
 
-def test_the_loss_positions_layout_trains_exactly_as_the_full_one(redis, tmp_path, tiny_model_dir):
-    make_run(redis, tmp_path / "a", tiny_model_dir, "all", n=8)
-    make_run(redis, tmp_path / "b", tiny_model_dir, "loss", n=8, layout=Layout(final="loss"))
+TOPK16 = Layout(final="topk", topk=16)
+
+
+@pytest.mark.parametrize(
+    ("full", "narrow", "method"),
+    [
+        (Layout(), Layout(final="loss"), "eagle3"),
+        (TOPK16, Layout(final="topk", topk=16, topk_rows="loss"), "eagle3"),
+        (TOPK16, Layout(final="topk", topk=16, topk_rows="loss"), "dflash"),
+    ],
+    ids=["final-at-loss-positions", "topk-at-loss-positions", "dflash-topk-at-loss-positions"],
+)
+def test_a_layout_at_loss_positions_trains_exactly_as_the_full_one(redis, tmp_path, tiny_model_dir, full, narrow,
+                                                                   method):  # fmt: skip
+    """Training reads the final state (or its top-k) at loss positions only: keeping those rows alone changes
+    nothing, for either drafter."""
+    dflash = method == "dflash"
+    kw = (
+        dict(layer_ids=DFLASH_LAYERS, options=RunOptions(method="dflash", aux_layer_ids=DFLASH_LAYERS))
+        if dflash
+        else {}
+    )
+    make_run(redis, tmp_path / "a", tiny_model_dir, "all", n=8, layout=full, **kw)
+    make_run(redis, tmp_path / "b", tiny_model_dir, "loss", n=8, layout=narrow, **kw)
+    cfg = (dflash_small if dflash else small)(epochs=1, heldout_fraction=0.3)
     figures = [
-        train(
-            redis=redis,
-            run_id=run,
-            data_dir=tmp_path / d,
-            target_dir=tiny_model_dir,
-            cfg=small(epochs=1, heldout_fraction=0.3),
-            env=Dist(),
-        )  # fmt: skip
+        train(redis=redis, run_id=run, data_dir=tmp_path / d, target_dir=tiny_model_dir, cfg=cfg, env=Dist())
         for run, d in (("all", "a"), ("loss", "b"))
     ]
     assert losses_of(tmp_path / "a", "all") == losses_of(tmp_path / "b", "loss")

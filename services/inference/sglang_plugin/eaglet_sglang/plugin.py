@@ -41,7 +41,7 @@ from eaglet.shared.ids import is_eaglet_rid
 from eaglet.shared.layers import default_layer_ids, layer_ids_problem, parse_layer_ids, sglang_arg_ids
 from eaglet.shared.layout import FP4_BLOCK
 from eaglet.shared.targettensors import load_target_tensors
-from eaglet.shared.topk import TOPK_PARAM, TOPK_TENSORS, encode_topk
+from eaglet.shared.topk import TOPK_PARAM, TOPK_TENSORS, encode_topk, span_rows
 from eaglet_sglang import versions
 from eaglet_sglang.collector import Collector, Rows, plan_rows
 from eaglet_sglang.writer import DumpJob, HostChunk, copy_rows, record_event
@@ -331,7 +331,7 @@ class DumpPlugin:
                 name: copy_rows(device[form], r.start, r.length) for name, form in dump_forms(encodings[r.rid]).items()
             }
             if r.rid in topk:
-                host.update(zip(TOPK_TENSORS, (copy_rows(t, 0, r.length) for t in topk[r.rid]), strict=True))
+                host.update(zip(TOPK_TENSORS, (copy_rows(t, 0, t.shape[0]) for t in topk[r.rid]), strict=True))
             copies.append((r, host))
         event = record_event(aux.device)
         for rows, host in copies:
@@ -350,15 +350,19 @@ class DumpPlugin:
         self, info: _Worker, snapshot: _Snapshot, final: torch.Tensor
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """rid -> the top-k (ids, log-probs) of its rows, on the device, for the requests that asked: [n, k] crosses
-        to the host, never [n, V]. One pass over the rows of all the requests asking the same k."""
+        to the host, never [n, V]. One pass over the rows of all the requests asking the same k; of a request that
+        names its positions (its loss spans), only the rows of this chunk among them are scored."""
         assert info.lm_head is not None  # read in _snapshot, else no request here asks for a top-k
         # Moved at the first top-k forward (then .to is a no-op): the head scores the states in their own dtype.
         head = info.lm_head = info.lm_head.to(final.device, final.dtype)
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for k in sorted({e.topk for e in snapshot.encodings.values()} - {0}):
             asked = [r for r in snapshot.rows if snapshot.encodings[r.rid].topk == k]
-            ids, logp = encode_topk(torch.cat([final[r.start : r.start + r.length] for r in asked]), head, k)
-            lengths = [r.length for r in asked]
+            picks = [span_rows(snapshot.encodings[r.rid].topk_rows, r.prefix_len, r.length) for r in asked]
+            lengths = [r.length if rows is None else len(rows) for r, rows in zip(asked, picks, strict=True)]
+            index = torch.cat([torch.arange(r.start, r.start + r.length) if rows is None else rows + r.start
+                               for r, rows in zip(asked, picks, strict=True)])  # fmt: skip
+            ids, logp = encode_topk(final.index_select(0, index.to(final.device, non_blocking=True)), head, k)
             for r, pair in zip(asked, zip(ids.split(lengths), logp.split(lengths), strict=True), strict=True):
                 out[r.rid] = pair
         return out
