@@ -184,7 +184,8 @@ def dumps_of(client: httpx.Client, ids: list[int], tag: str, kinds: dict[str, di
 def layout_bits_check(prompts: list[list[int]], k: int) -> dict:
     """The default layout's dump against the workers' CPU encoders on the full-width dump of the same prompt: the
     4-bit aux states bit for bit; the top-k against ``encode_topk`` on the GPU from the full-width final states (the
-    plugin scores every asking request's rows in one product, whose kernel may round otherwise)."""
+    plugin scores every asking request's rows in one product, whose kernel may round otherwise), at every position
+    and at the loss positions only (the default: the request names the spans, here the prompt's second half)."""
     import torch
 
     from eaglet.shared.dumpfile import read_dump
@@ -197,10 +198,13 @@ def layout_bits_check(prompts: list[list[int]], k: int) -> dict:
     client = httpx.Client(base_url=f"http://127.0.0.1:{H.SGL_PORT}", timeout=600)
     head = load_target_tensors(H.MODELS / "l8b", ("lm_head",))["lm_head"].cuda()
     out = {"prompts": 0, "fp4_identical": 0, "final_state_omitted": 0, "topk_ids_equal_fraction": [],
-           "topk_logp_max_abs_diff": []}  # fmt: skip
+           "topk_logp_max_abs_diff": [], "loss_rows_ids_equal_fraction": [], "loss_rows_shape_ok": 0}  # fmt: skip
     for i, ids in enumerate(prompts):
-        paths = dumps_of(client, ids, f"l{i}", {"w": {}, "d": {"eaglet_topk": k, "eaglet_aux": "e2m1_b32"}})
-        wide, default = (read_dump(p) for p in paths)
+        half = len(ids) // 2
+        asks = {"w": {}, "d": {"eaglet_topk": k, "eaglet_aux": "e2m1_b32"},
+                "l": {"eaglet_topk": k, "eaglet_aux": "e2m1_b32", "eaglet_topk_rows": [[half, len(ids)]]}}  # fmt: skip
+        paths = dumps_of(client, ids, f"l{i}", asks)
+        wide, default, at_loss = (read_dump(p) for p in paths)
         out["prompts"] += 1
         codes = encode_fp4(wide.aux_hidden_states)
         out["fp4_identical"] += all(
@@ -211,6 +215,11 @@ def layout_bits_check(prompts: list[list[int]], k: int) -> dict:
         got_ids, got_logp = default.topk["topk_ids"], default.topk["topk_logp"]
         out["topk_ids_equal_fraction"].append(round(float((got_ids == top_ids.cpu()).float().mean()), 5))
         out["topk_logp_max_abs_diff"].append(round(float((got_logp.float() - top_logp.cpu().float()).abs().max()), 5))
+        loss_ids = at_loss.topk["topk_ids"]
+        out["loss_rows_shape_ok"] += tuple(loss_ids.shape) == (len(ids) - half, k)
+        if loss_ids.shape[0] == len(ids) - half:
+            same = (loss_ids == top_ids.cpu()[half:]).float().mean()
+            out["loss_rows_ids_equal_fraction"].append(round(float(same), 5))
         for path in paths:
             path.unlink()
     return out

@@ -241,6 +241,28 @@ def test_default_layout_asked_dumps_the_topk_and_4bit_aux_states_the_store_keeps
         validate_dump(plain, rid=case["plain_rid"], num_tokens=n, hidden_size=H, aux_fp4=True)
 
 
+def test_a_topk_asked_at_loss_positions_scores_those_rows_only_across_chunks(sglang_cases):
+    """The default layout's request naming its loss spans, split across two forwards: the dump's top-k holds the
+    spans' rows, in order, each as the top-k over every position gives it."""
+    import torch
+
+    from eaglet.shared.dumpfile import dump_path, read_dump, validate_dump
+    from eaglet.shared.targettensors import load_target_tensors
+    from eaglet.shared.topk import encode_topk
+
+    results, dumps = sglang_cases
+    case = results["topk"]
+    head = load_target_tensors(Path(case["model_dir"]))["lm_head"]
+    n = len(case["prompt"])
+    plain = read_dump(dump_path(dumps, case["plain_rid"]))
+    dump = read_dump(dump_path(dumps, case["loss_rid"]))
+    rows = [p for a, b in case["loss_spans"] for p in range(a, b)]
+    validate_dump(dump, rid=case["loss_rid"], num_tokens=n, hidden_size=H, topk=4, vocab_size=head.shape[0],
+                  aux_fp4=True, topk_rows=len(rows))  # fmt: skip
+    for got, want in zip(dump.topk.values(), encode_topk(plain.hidden_states, head, 4), strict=True):
+        assert torch.equal(got, want[rows])
+
+
 def test_topk_without_a_safetensors_model_path_writes_no_dump_and_says_why_once(sglang_cases):
     results, dumps = sglang_cases
     case = results["no_head"]

@@ -278,11 +278,15 @@ def _cases(out: Path) -> dict:
     plain = req("eaglet:run1:s-no-topk:0", pk)
     # the default layout's request: the top-k in place of the final state, the aux states 4-bit encoded
     default = req("eaglet:run1:s-default:0", pk, sampling({"eaglet_topk": 4, "eaglet_aux": "e2m1_b32"}))
+    # ...scored at its loss positions only, the spans across the chunks' boundary
+    spans = [[1, 3], [5, 9]]
+    at_loss = req("eaglet:run1:s-loss:0", pk, sampling({"eaglet_topk": 4, "eaglet_aux": "e2m1_b32",
+                                                        "eaglet_topk_rows": spans}))  # fmt: skip
     wk = new_worker(dtype=torch.bfloat16, model_path=str(model_dir))
     exists = []
     chunks = (
-        [(top, 0, 4), (plain, 0, 5), (default, 0, 6)],
-        [(plain, 5, 5), (top, 4, 4), (both, 0, 10), (default, 6, 4)],
+        [(top, 0, 4), (plain, 0, 5), (default, 0, 6), (at_loss, 0, 6)],
+        [(plain, 5, 5), (top, 4, 4), (both, 0, 10), (default, 6, 4), (at_loss, 6, 4)],
         [(top, 8, 2)],
     )
     for parts in chunks:
@@ -294,6 +298,8 @@ def _cases(out: Path) -> dict:
         "rids": {top.rid: 5, both.rid: 3},
         "plain_rid": plain.rid,
         "default_rid": default.rid,
+        "loss_rid": at_loss.rid,
+        "loss_spans": spans,
         "exists_after_chunk": exists,
     }
 
