@@ -227,13 +227,19 @@ def reference(name: str, model: Path, *, dump: bool, timeout: float = 300) -> fl
 # --- data ----------------------------------------------------------------------------------------------
 
 
+LOSS_SHARE = float(os.environ.get("GPUBENCH_LOSS_SHARE", "0.5"))
+"""The share of a synthetic sample's positions under the loss (the kept chat data's: 0.69): what a top-k kept at loss
+positions scores."""
+
+
 def pretokenized(path: Path, lengths: list[int], vocab: int, seed: int, low: int = 3) -> int:
-    """Samples of random ids in [low, vocab), the second half of each its loss positions; returns the tokens."""
+    """Samples of random ids in [low, vocab), the last LOSS_SHARE of each its loss positions; returns the tokens."""
     rng = random.Random(seed)
     with open(path, "w") as f:
         for i, n in enumerate(lengths):
             ids = [rng.randrange(low, vocab) for _ in range(n)]
-            mask = [0] * (n // 2) + [1] * (n - n // 2)
+            prompt = int(n * (1 - LOSS_SHARE))  # 0.5: n // 2, as before
+            mask = [0] * prompt + [1] * (n - prompt)
             f.write(json.dumps({"id": f"s{i:05d}", "input_ids": ids, "loss_mask": mask}) + "\n")
     return sum(lengths)
 
