@@ -46,7 +46,8 @@ def phase_plain8b() -> None:
     H.bench(H.SGL_PORT, l8b_prompts(32, 1), H.L8B_CONCURRENCY, "warm-", False)
     R["plain"], R["disk"] = [], []
     for rep in range(H.L8B_REPS):
-        R["plain"].append(H.bench(H.SGL_PORT, l8b_prompts(n_plain, 10 + rep), H.L8B_CONCURRENCY, f"plain{rep}-", False))
+        plain = H.bench(H.SGL_PORT, l8b_prompts(n_plain, 10 + rep), H.L8B_CONCURRENCY, f"plain{rep}-", False)
+        R["plain"].append({**plain, "call": H.T0})  # the call it ran in: a pipeline's ratio prefers its own call's
         R["disk"].append(H.disk_probe())
         H.log(f"speed8b plain {rep}: {R['plain'][-1]} disk {R['disk'][-1]}")
         H.save("speed8b")
@@ -89,7 +90,7 @@ def pipeline_reps(
         with H.MemorySampler(H.PROCS["s8b-plugin"].pid) as memory:
             out = H.pipeline(f"{phase}-{rep}-{int(time.time())}", model, ds, H.SGL_PORT, H.L8B_CONCURRENCY, 8192,
                            timeout=400, store=store, sink=True, store_options=store_options)  # fmt: skip
-        out["server_memory"], out["disk"] = memory.result(), disk
+        out["server_memory"], out["disk"], out["call"] = memory.result(), disk, H.T0
         counts = out.get("counts") or {}
         # the stored bytes a token as counted by the workers (a layout's are not the dumps' fixed width)
         out["bytes_per_token"] = round(int(counts.get("bytes", 0)) / max(int(counts.get("tokens", 0)), 1), 1)

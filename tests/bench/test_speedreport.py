@@ -17,7 +17,7 @@ def test_each_repetition_is_set_against_the_lower_of_the_server_and_its_disk(tmp
     assert bf16_row["disk_bound_tokens_per_s"] == 30_517.6 and bf16_row["ratio"] == 0.983
     assert layout_row["pipeline"] == "default layout" and layout_row["ratio"] == 0.95
     md = (tmp_path / "results" / "gpu-speedrows.md").read_text()
-    assert "| default layout | 0 | 38,000.0 | 6,000.0 | 1.0 | 166,666.7 | — | 0.95 |" in md
+    assert "| default layout | 0 | 38,000.0 | 6,000.0 | 1.0 | 166,666.7 | — | 40,000 (no) | 0.95 |" in md
 
 
 def test_a_repetition_recorded_before_the_per_repetition_probe_takes_the_phases_probes_in_order(tmp_path):
@@ -31,3 +31,15 @@ def test_a_repetition_recorded_before_the_per_repetition_probe_takes_the_phases_
     rows = speedreport.write(tmp_path, tmp_path)["rows"]
     assert [r["disk_GBps"] for r in rows] == [0.5, 2.0]
     assert [r["ratio"] for r in rows] == [1.311, 0.5]  # the first bound by its slow disk (15.3 k), the second by SGLang
+
+
+def test_a_repetition_is_set_against_plain_sglang_of_its_own_call_where_it_ran_in_one(tmp_path):
+    plain = [{"tokens_per_s": 40_000.0, "call": 1.0}, {"tokens_per_s": 36_000.0, "call": 2.0},
+             {"tokens_per_s": 37_000.0, "call": 2.0}]  # fmt: skip
+    reps = [{"tokens_per_s": 34_000.0, "bytes_per_token": 7_000.0, "call": 2.0},
+            {"tokens_per_s": 34_000.0, "bytes_per_token": 7_000.0, "call": 3.0}]  # fmt: skip
+    (tmp_path / "speed8b.json").write_text(json.dumps({"plain": plain}))
+    (tmp_path / "layoutspeed8b.json").write_text(json.dumps({"pipeline": reps}))
+    same, other = speedreport.write(tmp_path, tmp_path)["rows"]
+    assert same["plain_same_call"] and same["plain_tokens_per_s"] == 36_500.0 and same["ratio"] == 0.932
+    assert not other["plain_same_call"] and other["plain_tokens_per_s"] == 37_000.0  # all calls' median
