@@ -128,8 +128,6 @@ class DumpEncoding:
             raise ValueError(f"custom_params.{AUX_ENCODING_PARAM}={aux!r}: the one value is {FP4_STORAGE!r}")
         rows = params.get(TOPK_ROWS_PARAM)
         spans = None if rows is None else parse_spans(rows, f"custom_params.{TOPK_ROWS_PARAM}")
-        if spans is not None and not topk:
-            raise ValueError(f"custom_params.{TOPK_ROWS_PARAM} without {TOPK_PARAM}: the rows of which top-k?")
         return cls(fp8=params.get(DUMP_ENCODING_PARAM) == FP8_ENCODING, topk=topk, aux_fp4=aux == FP4_STORAGE,
                    topk_rows=spans)  # fmt: skip
 
