@@ -30,6 +30,9 @@ from bench.gpu import h2h, h2heval, h2htrain
 from bench.gpu import harness as P
 
 LRS = [x.strip() for x in os.environ.get("DFL_LRS", "6e-4").split(",") if x.strip()]
+# more eaglet drafters at the first of DFL_LRS, each with trainer flags of its own: "name=flags;name=flags"
+# (e.g. "scaled=--dflash-scale-inputs")
+RECIPES = dict(r.split("=", 1) for r in os.environ.get("DFL_RECIPES", "").split(";") if r.strip())
 # SpecForge's sweep (its default 1e-4 first); empty: eaglet's drafters alone
 SPECFORGE_LRS = [x.strip() for x in os.environ.get("DFL_SPECFORGE_LRS", "1e-4,3e-4,1e-3").split(",") if x.strip()]
 # the layers the DFlash run stores (eaglet's ids); unset: DFlash's default for the target (SmolLM2: 2, 9, 15, 21, 28).
@@ -45,6 +48,14 @@ EAGLE3_COMMITTED = P.REPO / "results" / "gpu-headtohead-2026-12-04" / "gpu-headt
 
 def drafter_name(lr: str) -> str:
     return f"dflash-lr{lr}"
+
+
+def eaglet_drafters() -> list[tuple[str, str, str]]:
+    """(name, learning rate, extra trainer flags) of every eaglet drafter the call trains: DFL_LRS's, then
+    DFL_RECIPES' at the first rate."""
+    return [(drafter_name(lr), lr, "") for lr in LRS] + [
+        (f"dflash-{name.strip()}", LRS[0], flags.strip()) for name, flags in RECIPES.items()
+    ]
 
 
 def specforge_name(lr: str) -> str:
@@ -134,15 +145,14 @@ def phase_train() -> None:
     drafters = R.setdefault("drafters", {})
     train_tokens = sum(r[2] for r in h2htrain.training_rows(run_id)) * h2h.EPOCHS
     jobs = []
-    for lr in LRS:
-        name = drafter_name(lr)
-        rec = drafters.setdefault(name, {"dflash_lr": lr, "trainer": "eaglet"})
+    for name, lr, flags in eaglet_drafters():
+        rec = drafters.setdefault(name, {"dflash_lr": lr, "trainer": "eaglet", "flags": flags})
         if rec.get("rc") == 0:
             continue
         out = h2h.H2H / "dflash" / name
         argv = [sys.executable, "-m", "bench.gpu.ablate", "--run", run_id, "--out", str(out), "--model", str(h2h.SMOL),
                 "--method", "dflash", "--dflash-lr", lr, "--epochs", str(h2h.EPOCHS),
-                "--checkpoint-every", str(CHECKPOINT_EVERY)]  # fmt: skip
+                "--checkpoint-every", str(CHECKPOINT_EVERY), *flags.split()]  # fmt: skip
         rec.update(drafter_dir=str(out / "drafter"), train_tokens=train_tokens)
         jobs.append((rec, f"dfl-train-{name}", argv))
     sf_jobs, own = specforge_jobs(run_id, R)
@@ -168,7 +178,8 @@ def phase_train() -> None:
                 rec["tokens_per_s"] = round(rec["train_tokens"] / wall, 1)
         P.save("dfl-train")
     R["done"] = all(
-        drafters.get(n, {}).get("rc") == 0 for n in [*map(drafter_name, LRS), *map(specforge_name, SPECFORGE_LRS)]
+        drafters.get(n, {}).get("rc") == 0
+        for n in [*(d[0] for d in eaglet_drafters()), *map(specforge_name, SPECFORGE_LRS)]
     )
 
 
@@ -280,7 +291,8 @@ def rows() -> list[dict]:
             train = trains.get(name) or {}
             final = train.get("final") or {}
             out.append({"method": "dflash", "trainer": train.get("trainer", "eaglet"),
-                        "dflash_lr": train.get("dflash_lr"), "trainer_tokens_per_s": train.get("tokens_per_s"),
+                        "dflash_lr": train.get("dflash_lr"), "flags": train.get("flags"),
+                        "trainer_tokens_per_s": train.get("tokens_per_s"),
                         "prompt_set": pset, "accept_length": res.get("accept_length"),
                         "tokens_per_s": res.get("output_tokens_per_s"),
                         "accept_rate_per_position": res.get("accept_rate_per_position"),
@@ -306,6 +318,7 @@ def phase_report() -> None:
         "rows": rows(),
         "extract": P.RESULTS.get("dfl-extract", {}),
         "lrs": LRS,
+        "recipes": RECIPES,
         "specforge_lrs": SPECFORGE_LRS,
         "epochs": h2h.EPOCHS,
         "served_stage": P.RESULTS.get("dfl-served", {}),

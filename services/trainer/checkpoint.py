@@ -160,7 +160,7 @@ def dflash_hf_config(cfg: DFlashConfig, target_config: dict, dtype: torch.dtype)
 
 def save_dflash(out_dir: Path, model: DFlashDrafter, target_config: dict, dtype: torch.dtype) -> Path:
     """Writes a DFlash drafter's config.json + model.safetensors into ``out_dir`` (replaced whole)."""
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.served_state().items()}
     return write_folder(Path(out_dir), tensors, dflash_hf_config(model.cfg, target_config, dtype))
 
 
@@ -174,12 +174,12 @@ def load_dflash(drafter_dir: Path, embed: torch.Tensor) -> DFlashDrafter:
         raise CheckpointError(f"{folder}: config.json has no eaglet.drafter_config: not a DFlash drafter eaglet wrote")
     model = DFlashDrafter(DFlashConfig(**shape), embed)
     state = _drafter_state(folder)
-    want = model.state_dict()
+    want = model.served_state()
     for key, value in want.items():
         if key not in state or tuple(state[key].shape) != tuple(value.shape):
             got = tuple(state[key].shape) if key in state else "missing"
             raise CheckpointError(f"{folder}: tensor {key}: {got}, expected {tuple(value.shape)}")
-    model.load_state_dict({k: state[k].float() for k in want})
+    model.load_state_dict({**{k: state[k].float() for k in want}, "input_scale": model.input_scale})  # folded
     return model
 
 

@@ -34,6 +34,11 @@ class TrainConfig:
     dflash_decay: float = 7.0
     """A DFlash block position j's loss weight is exp(-(j - 1) / dflash_decay) (the DFlash paper's 7 for blocks of
     16); 0: all weighted 1."""
+    dflash_scale_inputs: bool = False
+    """Train fc on the target's states divided, feature by feature, by their RMS over the first training samples
+    (each document's first token left out), folded back into fc's columns on export, so the served drafter is
+    SGLang's as it is. The target's states are far apart in scale (SmolLM2: a feature's RMS reaches 33x the median
+    at layer 2, 470x at layer 28); on the raw states fc's outlier columns take Adam steps as large as the rest."""
     dflash_lr: float = 6e-4
     """A DFlash drafter's peak learning rate (``lr`` is EAGLE-3's): the DFlash paper's 6e-4. On SmolLM2's states
     (its first token's activations reach 2.5e4), at 3e-3 the gradient reaching fc, the only way in for the target's

@@ -129,12 +129,23 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("embed_tokens", embed_tokens, persistent=False)  # [V, H], the target's, frozen
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
+        # fc's inputs are multiplied by it while training (ones: as served); a checkpoint keeps it, the served
+        # weights hold it folded into fc (``served_state``)
+        self.register_buffer("input_scale", torch.ones(self.fc.in_features))
 
     def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> ContextKV:
         """The context's keys and values per layer from the target's states ``aux`` [B, S, K * H] at ``positions``
         [B, S]: what SGLang writes into the draft KV cache for verified tokens."""
-        ctx = self.hidden_norm(self.fc(aux))
+        ctx = self.hidden_norm(self.fc(aux * self.input_scale.to(aux.dtype)))
         return [layer.self_attn.kv(ctx, positions, self.inv_freq) for layer in self.blocks()]
+
+    def served_state(self) -> dict[str, torch.Tensor]:
+        """The weights under SGLang's names, as its ``DFlashDraftModel`` runs them: fc(aux * scale) is fc with each
+        column scaled."""
+        state = self.state_dict()
+        scale = state.pop("input_scale")
+        state["fc.weight"] = state["fc.weight"] * scale.to(state["fc.weight"].dtype)
+        return state
 
     def blocks(self) -> list[DFlashLayer]:
         # what ``layers`` holds: nn.ModuleList's items are typed as any Module

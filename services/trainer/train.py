@@ -255,7 +255,9 @@ def start(
                          f"resume with --method {was}, or train into a folder of its own")  # fmt: skip
     objective: TTTObjective | DFlashObjective
     if method == "dflash":
-        draft_ids, objective = dflash_objective(samples, train_items, target_dir, cfg, env, layers, saved)
+        draft_ids, objective = dflash_objective(
+            samples, train_items, target_dir, cfg, env, layers, saved, data_dir, run_id
+        )
     else:
         previous = previous_drafter(cfg, target_dir, layers)
         if saved is not None:  # resumed: the checkpoint's vocabulary and shape
@@ -307,13 +309,15 @@ def draft_vocab(
 
 def dflash_objective(
     samples: SampleSet, items: list[data.Item], target_dir: Path, cfg: TrainConfig, env: Dist, layers: list[int],
-    saved: dict | None,
+    saved: dict | None, data_dir: Path, run_id: str,
 ) -> tuple[torch.Tensor, DFlashObjective]:  # fmt: skip
     """(the whole target vocabulary [V], the DFlash objective around a fresh drafter or the checkpoint's)."""
     shape = DFlashConfig(**saved["drafter_config"]) if saved is not None else None
     mask_id = shape.mask_token_id if shape is not None else mask_token(samples, items, target_dir, env)
     torch.manual_seed(cfg.seed)
     drafter, target_head = build_dflash(target_dir, cfg, layers, mask_id, shape)
+    if saved is None and cfg.dflash_scale_inputs:  # resumed: the checkpoint holds the scale it trained with
+        drafter.input_scale = 1 / feature_rms(data_dir, run_id, items, env)
     if cfg.compile != "off":
         log.info("DFlash drafters train eager: --compile applies to EAGLE-3")
     objective = DFlashObjective(drafter, target_head, cfg)
@@ -321,6 +325,36 @@ def dflash_objective(
     objective.target_head = objective.target_head.to(dtype)
     drafter.embed_tokens = drafter.embed_tokens.to(dtype)
     return torch.arange(drafter.cfg.vocab_size), objective.to(env.device)
+
+
+SCALE_TOKENS = 65_536
+"""Tokens of the first training samples that ``feature_rms`` reads: enough for a steady RMS of every feature."""
+
+
+def feature_rms(data_dir: Path, run_id: str, items: list[data.Item], env: Dist) -> torch.Tensor:
+    """The RMS of every feature of the stored auxiliary states [K * H] over the first ``SCALE_TOKENS`` tokens of the
+    training split, each document's first token left out (its activations, 1e4 and more in some targets, are no
+    feature's scale). Rank 0 reads and sends it; a sample it cannot read is left out here (training reports it)."""
+    out = [None]
+    if env.main:
+        sums, count = None, 0
+        for it in items:
+            if count >= SCALE_TOKENS:
+                break
+            try:
+                aux = data.load_sample(sample_path(data_dir, run_id, it.sample_id), torch.float32)
+            except StoreError:
+                continue
+            states = aux["aux_hidden_states"][1:].double()
+            sums = states.pow(2).sum(0) if sums is None else sums + states.pow(2).sum(0)
+            count += len(states)
+        if sums is None or count == 0:
+            raise RuntimeError("--dflash-scale-inputs: no training sample could be read to scale the inputs by")
+        out[0] = (sums / count).sqrt().float().clamp(min=1e-6)
+    if env.world > 1:
+        dist.broadcast_object_list(out, src=0)
+    assert out[0] is not None  # rank 0 computed it; the broadcast gave it to the others
+    return out[0]
 
 
 def mask_token(samples: SampleSet, items: list[data.Item], target_dir: Path, env: Dist) -> int:

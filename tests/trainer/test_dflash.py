@@ -115,6 +115,33 @@ def test_the_trainer_learns_a_dflash_drafter_and_writes_it_as_sglang_loads_it(re
     assert not any("embed" in n or "lm_head" in n for n in names)  # the target's, in the engine
 
 
+def test_scaled_inputs_train_on_each_features_rms_and_are_folded_into_fc_as_served(redis, tmp_path, tiny_model_dir):
+    from eaglet.services.trainer.checkpoint import load_latest_state
+    from eaglet.services.trainer.data import load_sample, split_items
+    from eaglet.shared.samples import SampleSet
+    from eaglet.shared.store import sample_path, samples_dir
+
+    make_run(redis, tmp_path, tiny_model_dir, "d5", layer_ids=LAYERS)
+    train(redis=redis, run_id="d5", data_dir=tmp_path, target_dir=tiny_model_dir,
+          cfg=small(max_steps=3, dflash_scale_inputs=True), env=Dist())  # fmt: skip
+    saved = load_latest_state(checkpoints_dir(tmp_path, "d5"))
+    shape = DFlashConfig(**saved["drafter_config"])
+    live = DFlashDrafter(shape, torch.zeros(shape.vocab_size, shape.hidden_size))
+    live.load_state_dict(saved["model"])
+    # the scale is each feature's RMS over the training samples (the tiny run's fit under SCALE_TOKENS), their first
+    # tokens left out
+    train_items, _ = split_items(SampleSet(samples_dir(tmp_path, "d5")), list(range(24)), small().heldout_fraction)
+    rows = torch.cat([load_sample(sample_path(tmp_path, "d5", it.sample_id), torch.float32)["aux_hidden_states"][1:]
+                      for it in train_items])  # fmt: skip
+    assert torch.allclose(live.input_scale, 1 / rows.pow(2).mean(0).sqrt(), rtol=1e-4)
+    assert live.input_scale.std() > 0  # the features' scales differ: not the identity
+    served = load_dflash(drafter_dir(tmp_path, "d5"), torch.zeros(shape.vocab_size, shape.hidden_size))
+    assert torch.equal(served.input_scale, torch.ones_like(served.input_scale))  # folded into fc
+    aux, pos = rows[None, :20], torch.arange(20)[None]
+    for (k1, v1), (k2, v2) in zip(live.context_kv(aux, pos), served.context_kv(aux, pos), strict=True):
+        assert torch.allclose(k1, k2, atol=2e-2) and torch.allclose(v1, v2, atol=2e-2)  # bf16 weights served
+
+
 def test_the_trainer_follows_the_runs_own_method(redis, tmp_path, tiny_model_dir):
     """A run ingested with ``--method dflash`` trains a DFlash drafter under the trainer's default ``auto``."""
     make_run(redis, tmp_path, tiny_model_dir, "d4", layer_ids=LAYERS,
