@@ -143,6 +143,10 @@ def phase_train() -> None:
         return
     P.stop(h2h.SERVER)  # the GPU to the trainers
     drafters = R.setdefault("drafters", {})
+    for earlier in R.get("earlier_attempts", []):  # a call cut short: its trainers resume where they stopped
+        drafters.update(earlier.get("drafters", {}))
+        if earlier.get("specforge_convert"):
+            R["specforge_convert"] = earlier["specforge_convert"]
     train_tokens = sum(r[2] for r in h2htrain.training_rows(run_id)) * h2h.EPOCHS
     jobs = []
     for name, lr, flags in eaglet_drafters():
@@ -186,9 +190,14 @@ def phase_train() -> None:
 def phase_eval() -> None:
     """The target alone first (the texts the drafters' outputs are held against), then every trained drafter's
     server at once, on ports of their own: accept length does not depend on what shares the GPU."""
-    if h2h.done("dfl-eval"):
-        return
+    trained = {n: r["drafter_dir"] for n, r in P.RESULTS.get("dfl-train", {}).get("drafters", {}).items()
+               if r.get("rc") == 0}  # fmt: skip
     R = P.RESULTS.setdefault("dfl-eval", {})
+    drafters = R.setdefault("drafters", {})
+    # a drafter trained after an earlier call's evaluation is served in this one
+    trained = {n: d for n, d in trained.items() if not served_well(drafters.get(n))}
+    if h2h.done("dfl-eval") and not trained:
+        return
     h2h.ensure_model()
     prompts = h2heval.eval_prompts(h2h.tokenizer())
     R.update(prompt_sets=list(prompts), max_new_tokens=h2h.EVAL_TOKENS, concurrency=h2h.EVAL_CONCURRENCY,
@@ -197,11 +206,8 @@ def phase_eval() -> None:
     base_texts: dict = {}
     R["baseline"] = h2heval.evaluate("baseline", None, None, prompts, base_texts)
     P.save("dfl-eval")
-    trained = {n: r["drafter_dir"] for n, r in P.RESULTS.get("dfl-train", {}).get("drafters", {}).items()
-               if r.get("rc") == 0}  # fmt: skip
     ports = list(range(P.SGL_PORT + 10, P.SGL_PORT + 10 + max(1, len(trained))))
     lock = threading.Lock()
-    drafters = R.setdefault("drafters", {})
 
     def one(name: str) -> None:
         with lock:
@@ -222,6 +228,11 @@ def phase_eval() -> None:
     R["done"] = bool(trained) and all(
         "error" not in res for d in drafters.values() for res in d.values() if isinstance(res, dict)
     )
+
+
+def served_well(sets: dict | None) -> bool:
+    """True when a drafter's evaluation holds every prompt set, none of them an error."""
+    return bool(sets) and all(isinstance(r, dict) and "error" not in r for r in sets.values())
 
 
 def phase_served() -> None:

@@ -526,7 +526,9 @@ def fresh(phase: str) -> None:
     if not old or old.get("done"):
         return
     earlier = old.get("earlier_attempts", [])
-    note = {k: old[k] for k in ("date", "error", "skipped", "runs") if k in old}  # runs: units it finished
+    # runs: units it finished; drafters, specforge_convert: dfl-train's trainers (their walls so far, summed over
+    # the calls a cut-off run resumes in) and the features they read, converted once
+    note = {k: old[k] for k in ("date", "error", "skipped", "runs", "drafters", "specforge_convert") if k in old}
     RESULTS[phase] = {"earlier_attempts": earlier + [note]} if note or earlier else {}
 
 

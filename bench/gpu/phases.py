@@ -22,6 +22,8 @@ Phases:
             4-bit aux states, both by the plugin on the GPU, checked first against the workers' encoders), three
             repetitions. Every pipeline repetition probes the disk just before it.
   fp4speed8b  the same pipeline with the 4-bit aux states alone (the final state whole, no top-k).
+  topkrows8b  the default layout with its top-k at every position against at the loss positions alone (the
+            default), alternating on one server (TOPKROWS_PAIRS pairs): each pair's ratio.
   diskpatterns  the data disk under the store's write pattern (sample-sized files, sendfile from shared memory,
             fsync, rename, folder fsync; 8 to 64 writers; removed behind or kept) beside the plain probe.
   ref8b     the reference server at the 8B shape: server alone (--no-dump) vs the pipeline.
@@ -44,6 +46,7 @@ ESTIMATE_S = {
     "fp8speed8b": 400,
     "bf16speed8b": 400,
     "layoutspeed8b": 480,
+    "topkrows8b": 300,
     "fp4speed8b": 480,  # as layoutspeed8b; two repetitions after a 176 s first start were cut at 550 s with a third
     "diskpatterns": 90,
     "ref8b": 150,
@@ -62,6 +65,7 @@ PHASES = {
     "fp8speed8b": speed.phase_fp8speed8b,
     "bf16speed8b": speed.phase_bf16speed8b,
     "layoutspeed8b": speed.phase_layoutspeed8b,
+    "topkrows8b": speed.phase_topkrows8b,
     "fp4speed8b": speed.phase_fp4speed8b,
     "diskpatterns": disk.phase_diskpatterns,
     "ref8b": speed.phase_ref8b,

@@ -68,8 +68,9 @@ def target_view(model_dir: Path, out: Path) -> Path:
         names = set(f.keys())
         embed = f.get_tensor("model.embed_tokens.weight")
         head = f.get_tensor("lm_head.weight") if "lm_head.weight" in names else embed.clone()
-    save_file({"model.embed_tokens.weight": embed.contiguous(), "lm_head.weight": head.contiguous()},
-              str(out / "heads.safetensors"))  # fmt: skip
+    if not (out / "heads.safetensors").exists():  # written once: SpecForge resumes only where its files are unchanged
+        save_file({"model.embed_tokens.weight": embed.contiguous(), "lm_head.weight": head.contiguous()},
+                  str(out / "heads.safetensors"))  # fmt: skip
     index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "heads.safetensors",
                                             "lm_head.weight": "heads.safetensors"}}  # fmt: skip
     (out / "model.safetensors.index.json").write_text(json.dumps(index))

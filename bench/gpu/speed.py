@@ -114,6 +114,38 @@ def phase_layoutspeed8b() -> None:
     H.save("layoutspeed8b")
 
 
+def phase_topkrows8b() -> None:
+    """The default layout with its top-k scored at every position against at the loss positions alone (the default),
+    alternating on one plugin server (``TOPKROWS_PAIRS`` pairs, ``NPIPE8B`` samples each): the change's own ratio,
+    same call and server; the encoders checked first. A repetition that would pass the call's deadline is not
+    started."""
+    from eaglet.shared.runoptions import DEFAULT_TOPK
+
+    R = H.RESULTS.setdefault("topkrows8b", {})
+    H.redis_up()
+    R["encoders_vs_cpu"] = layout_bits_check(l8b_prompts(8, 98), DEFAULT_TOPK)  # a fault shows first
+    H.save("topkrows8b")
+    n, deadline = int(os.environ.get("NPIPE8B", "1200")), float(os.environ.get("GPUBENCH_DEADLINE_S", "1e9"))
+    rep_s = 0.0
+    for _ in range(int(os.environ.get("TOPKROWS_PAIRS", "3"))):
+        for rows in ("all", "loss"):
+            if time.time() - H.T0 + rep_s * 1.2 + 10 > deadline:
+                R["stopped"] = "out of this call's time"
+                break
+            t = time.time()
+            pipeline_reps("topkrows8b", "bf16", H.MODELS / "l8b", n, 1, {"store_topk_rows": rows})
+            R["pipeline"][-1]["topk_rows"] = rows
+            rep_s = max(rep_s, time.time() - t)
+    by = {
+        rows: [r["tokens_per_s"] for r in R.get("pipeline", []) if r.get("topk_rows") == rows]
+        for rows in ("all", "loss")
+    }
+    pairs = list(zip(by["all"], by["loss"], strict=False))
+    R["loss_over_all"] = [round(b / a, 4) for a, b in pairs if a and b]  # each pair's: the same server, one after other
+    H.stop("s8b-plugin")
+    H.save("topkrows8b")
+
+
 def phase_fp4speed8b() -> None:
     """The 4-bit aux states alone (the final state kept whole: 0.46x bf16, no top-k) at the 8B shape, repeated
     (``FP4_REPS``): the small layout's speed without the vocabulary head's product."""

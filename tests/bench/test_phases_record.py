@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 
 def load_phases(tmp_path, monkeypatch):
@@ -152,3 +153,37 @@ def test_units_an_attempt_finished_stay_in_its_note(tmp_path, monkeypatch):
     P.RESULTS["layouts"] = {"runs": {"loss": {"run_id": "r-loss"}}, "date": "then"}
     P.fresh("layouts")
     assert P.RESULTS["layouts"] == {"earlier_attempts": [{"date": "then", "runs": {"loss": {"run_id": "r-loss"}}}]}
+
+
+def test_a_cut_off_training_phase_keeps_its_trainers_walls_and_features_for_the_next_call(tmp_path, monkeypatch):
+    """dfl-train's trainers resume in the next call from their checkpoints: their records (the wall so far) and the
+    SpecForge features' conversion outlive the phase's clean record."""
+    P = load_phases(tmp_path, monkeypatch)
+    state = P.ROOT / "gpubench-results.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    cut = {"drafters": {"dflash-lr6e-4": {"rc": 143, "wall_s": 344.3}}, "specforge_convert": {"wall_s": 6.1},
+           "date": "then", "rows": [1, 2]}  # fmt: skip
+    state.write_text(json.dumps({"dfl-train": cut}))
+    ran = {}
+    monkeypatch.setattr(sys, "argv", ["phases.py", "dfl-train"])
+    assert P.main({"dfl-train": lambda: ran.update(P.RESULTS["dfl-train"])}, {"dfl-train": lambda: 1}) == 0
+    (note,) = ran["earlier_attempts"]
+    assert note == {k: cut[k] for k in ("date", "drafters", "specforge_convert")}  # not its other figures
+
+
+def test_specforge_reads_the_same_target_files_in_every_call(tmp_path):
+    """SpecForge resumes a checkpoint only where the target's files are unchanged since (their size and mtime are
+    in its provenance): the view's LM-head file is written once, not again on each call."""
+    from safetensors.torch import save_file
+
+    from bench.gpu.specforge_features import target_view
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"model.embed_tokens.weight": torch.randn(8, 4)}, str(model / "model.safetensors"))
+    (model / "config.json").write_text("{}")
+    view = target_view(model, tmp_path / "view")
+    first = (view / "heads.safetensors").stat().st_mtime_ns
+    time.sleep(0.01)
+    target_view(model, tmp_path / "view")
+    assert (view / "heads.safetensors").stat().st_mtime_ns == first
