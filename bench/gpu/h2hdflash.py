@@ -247,6 +247,8 @@ def phase_served() -> None:
     from eaglet.shared.runstate import RunState
     from eaglet.shared.status import read_run
 
+    if h2h.done("dfl-served"):
+        return
     R = P.RESULTS.setdefault("dfl-served", {})
     run_id = P.RESULTS.get("dfl-extract", {}).get("run_id")
     drafter = P.RESULTS.get("dfl-train", {}).get("drafters", {}).get(drafter_name(LRS[0]), {})

@@ -79,6 +79,8 @@ def ingest_dataset(
                 if max(ids) >= vocab_size:
                     raise BadLine(f"token id {max(ids)} outside the model's vocabulary of {vocab_size}")
                 ids, mask, truncated = _fit(ids, mask, options)
+                if not any(mask[1:]):  # a loss reads the target at the token before each one it predicts
+                    raise BadLine("no assistant token after the first token: nothing to train on")
             except BadLine as e:
                 message = f"{path.name}:{line_no}: {e}"
                 result.bad_lines += 1
@@ -109,6 +111,6 @@ def _fit(ids: list[int], mask: list[int], options: RunOptions) -> tuple[list[int
     if options.overlong == "reject":
         raise BadLine(f"{len(ids)} tokens exceeds max_tokens={options.max_tokens} (overlong=reject)")
     ids, mask = ids[: options.max_tokens], mask[: options.max_tokens]
-    if not any(mask):
+    if not any(mask[1:]):
         raise BadLine(f"no assistant token left after truncation to {options.max_tokens} tokens")
     return ids, mask, True

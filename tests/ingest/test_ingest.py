@@ -40,6 +40,7 @@ BAD = [  # (raw line, what the error must say)
         "duplicate",
     ),
     (b'{"input_ids": [1, 2], "loss_mask": [1]}', "same length"),
+    (b'{"id": "first-only", "input_ids": [1, 2, 3], "loss_mask": [1, 0, 0]}', "nothing to train on"),
     (b'{"input_ids": [1, 99999999], "loss_mask": [1, 1]}', "outside the model's vocabulary"),
     (b"[1, 2]", "JSON object"),
     (b'{"text": "plain"}', "no 'messages'"),
