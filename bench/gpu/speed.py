@@ -1,9 +1,12 @@
-"""The 8B-shape speed phases: plain SGLang's prefill, the pipeline in bf16, fp8, the default storage layout and the
-4-bit aux states, each GPU encoder checked bit for bit against the workers' first; the reference server at 8B.
+"""The speed phases: at the 8B shape plain SGLang's prefill, the pipeline in bf16, fp8, the default storage layout and
+the 4-bit aux states, each GPU encoder checked bit for bit against the workers' first; the reference server at 8B;
+at SmolLM2's shape the pipeline against plain SGLang on the same chat-length samples (``smolspeed``).
 """
 
+import json
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -125,17 +128,14 @@ def phase_topkrows8b() -> None:
     H.redis_up()
     R["encoders_vs_cpu"] = layout_bits_check(l8b_prompts(8, 98), DEFAULT_TOPK)  # a fault shows first
     H.save("topkrows8b")
-    n, deadline = int(os.environ.get("NPIPE8B", "1200")), float(os.environ.get("GPUBENCH_DEADLINE_S", "1e9"))
-    rep_s = 0.0
+    n, longest = int(os.environ.get("NPIPE8B", "1200")), [0.0]
     for _ in range(int(os.environ.get("TOPKROWS_PAIRS", "3"))):
         for rows in ("all", "loss"):
-            if time.time() - H.T0 + rep_s * 1.2 + 10 > deadline:
-                R["stopped"] = "out of this call's time"
+            if not fits(R, longest):
                 break
-            t = time.time()
-            pipeline_reps("topkrows8b", "bf16", H.MODELS / "l8b", n, 1, {"store_topk_rows": rows})
+            with timed(longest):
+                pipeline_reps("topkrows8b", "bf16", H.MODELS / "l8b", n, 1, {"store_topk_rows": rows})
             R["pipeline"][-1]["topk_rows"] = rows
-            rep_s = max(rep_s, time.time() - t)
     by = {
         rows: [r["tokens_per_s"] for r in R.get("pipeline", []) if r.get("topk_rows") == rows]
         for rows in ("all", "loss")
@@ -144,6 +144,81 @@ def phase_topkrows8b() -> None:
     R["loss_over_all"] = [round(b / a, 4) for a, b in pairs if a and b]  # each pair's: the same server, one after other
     H.stop("s8b-plugin")
     H.save("topkrows8b")
+
+
+def fits(R: dict, longest: list[float]) -> bool:
+    """Whether one more repetition, as long as the longest so far, ends before the call's deadline; else the phase's
+    record says it stopped."""
+    deadline = float(os.environ.get("GPUBENCH_DEADLINE_S", "1e9"))
+    if time.time() - H.T0 + longest[0] * 1.2 + 10 <= deadline:
+        return True
+    R["stopped"] = "out of this call's time"
+    return False
+
+
+class timed:
+    """``with timed(longest):`` keeps the longest wall of the blocks it timed in ``longest[0]``."""
+
+    def __init__(self, longest: list[float]) -> None:
+        self.longest = longest
+
+    def __enter__(self) -> None:
+        self.t = time.time()
+
+    def __exit__(self, *exc) -> None:
+        self.longest[0] = max(self.longest[0], time.time() - self.t)
+
+
+SMOL_EXTRA = ["--chunked-prefill-size", "8192", "--mem-fraction-static", "0.6", "--disable-cuda-graph"]
+
+
+def phase_smolspeed() -> None:
+    """SmolLM2-135M's shape (random bf16 weights): plain SGLang's prefill on ``SMOL_SAMPLES`` samples of chat lengths
+    (64-768 tokens, ``GPUBENCH_LOSS_SHARE`` of each under the loss), ``SMOL_CONCURRENCY`` requests in flight, three
+    times; then the pipeline on the same samples in the default layout at each of ``SMOL_WORKERS`` worker counts,
+    three times each; one call, one machine. Each count's ratio: its median over plain's."""
+    R = H.RESULTS.setdefault("smolspeed", {})
+    model = H.MODELS / "smol"
+    if not (model / "config.json").exists():
+        raise RuntimeError("no SmolLM2-shape model: run the models phase first (GPUBENCH_MODELS=smol)")
+    n, conc = int(os.environ.get("SMOL_SAMPLES", "3000")), int(os.environ.get("SMOL_CONCURRENCY", "64"))
+    counts = [int(x) for x in os.environ.get("SMOL_WORKERS", "16,48").split(",")]
+    rng = random.Random(7)
+    ds = H.ROOT / "smol-speed.jsonl"
+    H.pretokenized(ds, [rng.randint(64, 768) for _ in range(n)], 49152, seed=8)
+    with open(ds) as f:
+        prompts = [json.loads(line)["input_ids"] for line in f]
+    R.update(samples=n, tokens=sum(map(len, prompts)), flags=" ".join(SMOL_EXTRA + H.SGL_BASE), plain=[], pipeline=[])
+    H.redis_up()
+    H.DUMPS.mkdir(parents=True, exist_ok=True)
+    R["plain_startup_s"] = H.sglang("smol-plain", model, plugin=False, extra=SMOL_EXTRA)
+    H.bench(H.SGL_PORT, prompts[:64], conc, "warm-", False)
+    for rep in range(H.L8B_REPS):
+        R["plain"].append({**H.bench(H.SGL_PORT, prompts, conc, f"plain{rep}-", False), "call": H.T0})
+        H.save("smolspeed")
+    H.stop("smol-plain")
+    R["plugin_startup_s"] = H.sglang("smol-plugin", model, plugin=True, extra=SMOL_EXTRA)
+    H.bench(H.SGL_PORT, prompts[:64], conc, "eaglet:warm:s:", True)
+    longest = [0.0]
+    for workers in counts:
+        for rep in range(H.L8B_REPS):
+            if not fits(R, longest):
+                break
+            with timed(longest):
+                out = H.pipeline(f"smolspeed-{workers}-{rep}-{int(time.time())}", model, ds, H.SGL_PORT, workers,
+                                 8192, timeout=300, sink=True, store_options={})  # fmt: skip
+            R["pipeline"].append({**out, "workers": workers, "call": H.T0})
+            H.log(f"smolspeed {workers} workers, repetition {rep}: {out.get('tokens_per_s')} tok/s")
+            H.save("smolspeed")
+    R["plugin_log"] = extraction.plugin_lines("smol-plugin")
+    H.stop("smol-plugin")
+    plain = statistics.median(r["tokens_per_s"] for r in R["plain"])
+    R["ratio_by_workers"] = {
+        w: round(statistics.median(rs) / plain, 4)
+        for w in counts
+        if (rs := [r["tokens_per_s"] for r in R["pipeline"] if r["workers"] == w and r.get("tokens_per_s")])
+    }
+    H.save("smolspeed")
 
 
 def phase_fp4speed8b() -> None:
