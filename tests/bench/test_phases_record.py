@@ -187,3 +187,20 @@ def test_specforge_reads_the_same_target_files_in_every_call(tmp_path):
     time.sleep(0.01)
     target_view(model, tmp_path / "view")
     assert (view / "heads.safetensors").stat().st_mtime_ns == first
+
+
+def test_the_dflash_head_to_head_trains_each_recipe_beside_the_learning_rates(tmp_path, monkeypatch):
+    load_phases(tmp_path, monkeypatch)
+    monkeypatch.setenv("DFL_LRS", "6e-4,1e-3")
+    monkeypatch.setenv("DFL_RECIPES", "scaled=--dflash-scale-inputs; decay3=--dflash-scale-inputs --dflash-decay 3")
+    _, D = load_h2h("h2hdflash")
+    assert D.eaglet_drafters() == [
+        ("dflash-lr6e-4", "6e-4", ""),
+        ("dflash-lr1e-3", "1e-3", ""),
+        ("dflash-scaled", "6e-4", "--dflash-scale-inputs"),
+        ("dflash-decay3", "6e-4", "--dflash-scale-inputs --dflash-decay 3"),
+    ]
+    # a drafter evaluated in an earlier call is not served again; one cut short or trained since is
+    assert D.served_well({"humaneval": {"accept_length": 1.2}, "heldout": {"accept_length": 1.4}})
+    assert not D.served_well({"humaneval": {"error": "not run: out of this call's time"}})
+    assert not D.served_well(None)
