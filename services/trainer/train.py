@@ -329,6 +329,8 @@ def dflash_objective(
 
 SCALE_TOKENS = 65_536
 """Tokens of the first training samples that ``feature_rms`` reads: enough for a steady RMS of every feature."""
+SCALE_CHUNK = 1024
+"""Rows squared at once there (at Kimi-K2.5's five layers of 7,168: 147 MB in float)."""
 
 
 def feature_rms(data_dir: Path, run_id: str, items: list[data.Item], env: Dist) -> torch.Tensor:
@@ -341,13 +343,16 @@ def feature_rms(data_dir: Path, run_id: str, items: list[data.Item], env: Dist) 
         for it in items:
             if count >= SCALE_TOKENS:
                 break
-            try:
-                aux = data.load_sample(sample_path(data_dir, run_id, it.sample_id), torch.float32)
+            try:  # in the states' training dtype, as a batch holds them: a sample's float copy would be twice that
+                states = data.load_sample(sample_path(data_dir, run_id, it.sample_id), torch.bfloat16)
             except StoreError:
                 continue
-            states = aux["aux_hidden_states"][1:].double()
-            sums = states.pow(2).sum(0) if sums is None else sums + states.pow(2).sum(0)
-            count += len(states)
+            aux = states["aux_hidden_states"][1:]
+            if sums is None:
+                sums = torch.zeros(aux.shape[1], dtype=torch.float64)
+            for rows in aux.split(SCALE_CHUNK):  # bounded: a chunk in float at a time
+                sums += rows.float().pow(2).sum(0, dtype=torch.float64)
+            count += len(aux)
         if sums is None or count == 0:
             raise RuntimeError("--dflash-scale-inputs: no training sample could be read to scale the inputs by")
         out[0] = (sums / count).sqrt().float().clamp(min=1e-6)
