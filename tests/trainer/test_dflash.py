@@ -131,12 +131,11 @@ def test_scaled_inputs_train_on_each_features_rms_and_are_folded_into_fc_as_serv
     # the scale is each feature's RMS over the training samples (the tiny run's fit under SCALE_TOKENS), their first
     # tokens left out
     train_items, _ = split_items(SampleSet(samples_dir(tmp_path, "d5")), list(range(24)), small().heldout_fraction)
-    rows = torch.cat(
-        [
-            load_sample(sample_path(tmp_path, "d5", it.sample_id), torch.bfloat16)["aux_hidden_states"][1:]
-            for it in train_items
-        ]
-    ).float()  # fmt: skip  (read as training reads them, in bf16)
+
+    def aux(item) -> torch.Tensor:  # read as the trainer reads them, in bf16
+        return load_sample(sample_path(tmp_path, "d5", item.sample_id), torch.bfloat16)["aux_hidden_states"][1:]
+
+    rows = torch.cat([aux(it) for it in train_items]).float()
     assert torch.allclose(live.input_scale, 1 / rows.pow(2).mean(0).sqrt(), rtol=1e-4)
     assert live.input_scale.std() > 0  # the features' scales differ: not the identity
     served = load_dflash(drafter_dir(tmp_path, "d5"), torch.zeros(shape.vocab_size, shape.hidden_size))
