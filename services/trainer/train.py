@@ -458,7 +458,11 @@ def resume(s: Session, saved: dict) -> None:
         raise ValueError(f"run {s.run_id}: its checkpoints in {s.folder} are of {was}, resumed as {now}: train it "
                          "into a folder of its own (train(out_dir=...), ablate.py --out) or resume with the same "
                          "--onpolicy-from")  # fmt: skip
-    s.objective.drafter.load_state_dict(saved["model"])
+    weights = saved["model"]
+    if isinstance(s.objective.drafter, DFlashDrafter) and "input_scale" not in weights:
+        # a DFlash checkpoint from before fc's inputs could be scaled trained them unscaled
+        weights = {**weights, "input_scale": torch.ones_like(s.objective.drafter.input_scale)}
+    s.objective.drafter.load_state_dict(weights)
     s.opt.load_state_dict(saved["optimizer"])
     s.sched.load_state_dict(saved["scheduler"])
     s.step, s.epoch, s.batch = saved["step"], saved["epoch"], saved["batch"]

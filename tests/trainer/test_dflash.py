@@ -165,6 +165,15 @@ def test_a_resumed_dflash_training_continues_from_its_checkpoint(redis, tmp_path
     again = train(redis=redis, run_id="d2", data_dir=tmp_path, target_dir=tiny_model_dir,
                   cfg=small(max_steps=4), env=Dist())  # fmt: skip
     assert again["step"] == 4  # nothing left: the checkpoint's step, shape and mask token taken up
+    # a checkpoint written before fc's inputs could be scaled resumes unscaled
+    from eaglet.services.trainer.checkpoint import load_latest_state, save_state
+
+    old = load_latest_state(checkpoints_dir(tmp_path, "d2"))
+    del old["model"]["input_scale"]
+    save_state(checkpoints_dir(tmp_path, "d2"), 4, old, keep=3)  # in place of the newest
+    again = train(redis=redis, run_id="d2", data_dir=tmp_path, target_dir=tiny_model_dir,
+                  cfg=small(max_steps=5), env=Dist())  # fmt: skip
+    assert again["step"] == 5
     with pytest.raises(ValueError, match="dflash drafter, resumed as eagle3"):
         train(redis=redis, run_id="d2", data_dir=tmp_path, target_dir=tiny_model_dir,
               cfg=small(method="eagle3", max_steps=4), env=Dist())  # fmt: skip
