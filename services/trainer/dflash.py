@@ -119,6 +119,7 @@ class DFlashLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     embed_tokens: torch.Tensor  # buffers, set in __init__
     inv_freq: torch.Tensor
+    input_scale: torch.Tensor
 
     def __init__(self, cfg: DFlashConfig, embed_tokens: torch.Tensor):
         super().__init__()
