@@ -337,7 +337,7 @@ def feature_rms(data_dir: Path, run_id: str, items: list[data.Item], env: Dist) 
     """The RMS of every feature of the stored auxiliary states [K * H] over the first ``SCALE_TOKENS`` tokens of the
     training split, each document's first token left out (its activations, 1e4 and more in some targets, are no
     feature's scale). Rank 0 reads and sends it; a sample it cannot read is left out here (training reports it)."""
-    out = [None]
+    out: list[torch.Tensor | None] = [None]
     if env.main:
         sums, count = None, 0
         for it in items:
