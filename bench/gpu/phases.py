@@ -24,6 +24,8 @@ Phases:
   fp4speed8b  the same pipeline with the 4-bit aux states alone (the final state whole, no top-k).
   smolspeed  SmolLM2-135M's shape: plain SGLang against the pipeline (default layout) at SMOL_WORKERS worker
             counts, the same chat-length samples, three repetitions each (the small target's worker-bound row).
+  layoutbits  the default layout's encoders (the top-k at loss rows among them) against the workers' at SmolLM2's
+            shape: a short check of the plugin inside SGLang.
   topkrows8b  the default layout with its top-k at every position against at the loss positions alone (the
             default), alternating on one server (TOPKROWS_PAIRS pairs): each pair's ratio.
   diskpatterns  the data disk under the store's write pattern (sample-sized files, sendfile from shared memory,
@@ -48,6 +50,7 @@ ESTIMATE_S = {
     "fp8speed8b": 400,
     "bf16speed8b": 400,
     "layoutspeed8b": 480,
+    "layoutbits": 90,
     "smolspeed": 200,  # two server starts and plain's repetitions; each pipeline repetition only where it fits
     "topkrows8b": 180,  # the server start and the check; each repetition is started only where it fits
     "fp4speed8b": 480,  # as layoutspeed8b; two repetitions after a 176 s first start were cut at 550 s with a third
@@ -69,6 +72,7 @@ PHASES = {
     "bf16speed8b": speed.phase_bf16speed8b,
     "layoutspeed8b": speed.phase_layoutspeed8b,
     "smolspeed": speed.phase_smolspeed,
+    "layoutbits": speed.phase_layoutbits,
     "topkrows8b": speed.phase_topkrows8b,
     "fp4speed8b": speed.phase_fp4speed8b,
     "diskpatterns": disk.phase_diskpatterns,

@@ -146,6 +146,20 @@ def phase_topkrows8b() -> None:
     H.save("topkrows8b")
 
 
+def phase_layoutbits() -> None:
+    """The default layout's encoders checked against the workers' (``layout_bits_check``) at SmolLM2's shape: the
+    plugin's top-k at loss rows inside SGLang in a short call (its server starts in a minute, the 8B one's in two)."""
+    from eaglet.shared.runoptions import DEFAULT_TOPK
+
+    H.redis_up()
+    H.DUMPS.mkdir(parents=True, exist_ok=True)
+    R = H.RESULTS.setdefault("layoutbits", {})
+    R.update(layout_bits_check(l8b_prompts(8, 98), DEFAULT_TOPK, H.MODELS / "smol"), model="SmolLM2-135M shape")
+    H.stop("s8b-plugin")
+    R["done"] = R["prompts"] == 8
+    H.save("layoutbits")
+
+
 def fits(R: dict, longest: list[float]) -> bool:
     """Whether one more repetition, as long as the longest so far, ends before the call's deadline; else the phase's
     record says it stopped."""
@@ -289,7 +303,7 @@ def dumps_of(client: httpx.Client, ids: list[int], tag: str, kinds: dict[str, di
     return paths
 
 
-def layout_bits_check(prompts: list[list[int]], k: int) -> dict:
+def layout_bits_check(prompts: list[list[int]], k: int, model: Path | None = None) -> dict:
     """The default layout's dump against the workers' CPU encoders on the full-width dump of the same prompt: the
     4-bit aux states bit for bit; the top-k against ``encode_topk`` on the GPU from the full-width final states (the
     plugin scores every asking request's rows in one product, whose kernel may round otherwise), at every position
@@ -302,9 +316,10 @@ def layout_bits_check(prompts: list[list[int]], k: int) -> dict:
     from eaglet.shared.targettensors import load_target_tensors
     from eaglet.shared.topk import encode_topk
 
-    plugin_server(H.MODELS / "l8b")
+    model = model or H.MODELS / "l8b"
+    plugin_server(model)
     client = httpx.Client(base_url=f"http://127.0.0.1:{H.SGL_PORT}", timeout=600)
-    head = load_target_tensors(H.MODELS / "l8b", ("lm_head",))["lm_head"].cuda()
+    head = load_target_tensors(model, ("lm_head",))["lm_head"].cuda()
     out = {"prompts": 0, "fp4_identical": 0, "final_state_omitted": 0, "topk_ids_equal_fraction": [],
            "topk_logp_max_abs_diff": [], "loss_rows_ids_equal_fraction": [], "loss_rows_shape_ok": 0}  # fmt: skip
     for i, ids in enumerate(prompts):
