@@ -95,10 +95,12 @@ def stop_all() -> None:
 
 
 def tail(name: str, n: int = 40) -> str:
+    """A process's last ``n`` log lines, the checkout's files named from its root (the results are committed)."""
     try:
-        return "\n".join((LOGS / f"{name}.log").read_text(errors="replace").splitlines()[-n:])
+        lines = (LOGS / f"{name}.log").read_text(errors="replace").splitlines()[-n:]
     except OSError:
         return ""
+    return "\n".join(lines).replace(f"{REPO}/", "")
 
 
 def wait_health(name: str, port: int, timeout: float) -> float:

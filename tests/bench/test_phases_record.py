@@ -204,3 +204,10 @@ def test_the_dflash_head_to_head_trains_each_recipe_beside_the_learning_rates(tm
     assert D.served_well({"humaneval": {"accept_length": 1.2}, "heldout": {"accept_length": 1.4}})
     assert not D.served_well({"humaneval": {"error": "not run: out of this call's time"}})
     assert not D.served_well(None)
+
+
+def test_a_log_tail_names_the_checkouts_files_from_its_root(tmp_path, monkeypatch):
+    P = load_phases(tmp_path, monkeypatch)
+    P.LOGS.mkdir(parents=True, exist_ok=True)
+    (P.LOGS / "t.log").write_text(f'File "{P.REPO}/bench/gpu/specforge_train.py", line 81\nValueError: x\n')
+    assert P.tail("t") == 'File "bench/gpu/specforge_train.py", line 81\nValueError: x'
