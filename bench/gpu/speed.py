@@ -128,14 +128,15 @@ def phase_topkrows8b() -> None:
     H.redis_up()
     R["encoders_vs_cpu"] = layout_bits_check(l8b_prompts(8, 98), DEFAULT_TOPK)  # a fault shows first
     H.save("topkrows8b")
-    n, longest = int(os.environ.get("NPIPE8B", "1200")), [0.0]
+    n, longest = int(os.environ.get("NPIPE8B", "1200")), 0.0
     for _ in range(int(os.environ.get("TOPKROWS_PAIRS", "3"))):
         for rows in ("all", "loss"):
             if not fits(R, longest):
                 break
-            with timed(longest):
-                pipeline_reps("topkrows8b", "bf16", H.MODELS / "l8b", n, 1, {"store_topk_rows": rows})
+            t = time.time()
+            pipeline_reps("topkrows8b", "bf16", H.MODELS / "l8b", n, 1, {"store_topk_rows": rows})
             R["pipeline"][-1]["topk_rows"] = rows
+            longest = max(longest, time.time() - t)
     by = {
         rows: [r["tokens_per_s"] for r in R.get("pipeline", []) if r.get("topk_rows") == rows]
         for rows in ("all", "loss")
@@ -160,27 +161,14 @@ def phase_layoutbits() -> None:
     H.save("layoutbits")
 
 
-def fits(R: dict, longest: list[float]) -> bool:
+def fits(R: dict, longest_s: float) -> bool:
     """Whether one more repetition, as long as the longest so far, ends before the call's deadline; else the phase's
     record says it stopped."""
     deadline = float(os.environ.get("GPUBENCH_DEADLINE_S", "1e9"))
-    if time.time() - H.T0 + longest[0] * 1.2 + 10 <= deadline:
+    if time.time() - H.T0 + longest_s * 1.2 + 10 <= deadline:
         return True
     R["stopped"] = "out of this call's time"
     return False
-
-
-class timed:
-    """``with timed(longest):`` keeps the longest wall of the blocks it timed in ``longest[0]``."""
-
-    def __init__(self, longest: list[float]) -> None:
-        self.longest = longest
-
-    def __enter__(self) -> None:
-        self.t = time.time()
-
-    def __exit__(self, *exc) -> None:
-        self.longest[0] = max(self.longest[0], time.time() - self.t)
 
 
 SMOL_EXTRA = ["--chunked-prefill-size", "8192", "--mem-fraction-static", "0.6", "--disable-cuda-graph"]
@@ -213,14 +201,15 @@ def phase_smolspeed() -> None:
     H.stop("smol-plain")
     R["plugin_startup_s"] = H.sglang("smol-plugin", model, plugin=True, extra=SMOL_EXTRA)
     H.bench(H.SGL_PORT, prompts[:64], conc, "eaglet:warm:s:", True)
-    longest = [0.0]
+    longest = 0.0
     for workers in counts:
         for rep in range(H.L8B_REPS):
             if not fits(R, longest):
                 break
-            with timed(longest):
-                out = H.pipeline(f"smolspeed-{workers}-{rep}-{int(time.time())}", model, ds, H.SGL_PORT, workers,
-                                 8192, timeout=300, sink=True, store_options={})  # fmt: skip
+            t = time.time()
+            out = H.pipeline(f"smolspeed-{workers}-{rep}-{int(t)}", model, ds, H.SGL_PORT, workers, 8192, timeout=300,
+                             sink=True, store_options={})  # fmt: skip
+            longest = max(longest, time.time() - t)
             R["pipeline"].append({**out, "workers": workers, "call": H.T0})
             H.log(f"smolspeed {workers} workers, repetition {rep}: {out.get('tokens_per_s')} tok/s")
             H.save("smolspeed")
