@@ -1,8 +1,8 @@
 """The pipeline's speed at the 8B shape against its two ceilings: from the phases speed8b (plain SGLang, the bf16
-pipeline), fp8speed8b, layoutspeed8b and fp4speed8b (phases.py), each repetition's tokens/s over min(plain SGLang's
-median, the disk's fsync bandwidth probed just before it ÷ the bytes a token that repetition stored). Plain SGLang's
-median is that of the repetitions in the pipeline's own call where there are any (``plain_same_call``: true), else
-of all of them (another call, maybe another machine: false).
+pipeline), fp8speed8b, layoutspeed8b, topkrows8b and fp4speed8b (phases.py), each repetition's tokens/s over
+min(plain SGLang's median, the disk's fsync bandwidth probed just before it ÷ the bytes a token that repetition
+stored). Plain SGLang's median is that of the repetitions in the pipeline's own call where there are any
+(``plain_same_call``: true), else of all of them (another call, maybe another machine: false).
 
     python -m bench.gpu.speedreport GPU_OUT_DIR results      (writes gpu-speedrows.md and .json)
 """
@@ -12,7 +12,15 @@ import statistics
 import sys
 from pathlib import Path
 
-PHASES = {"speed8b": "bf16", "fp8speed8b": "fp8", "layoutspeed8b": "default layout", "fp4speed8b": "fp4 aux alone"}
+PHASES = {
+    "speed8b": "bf16",
+    "fp8speed8b": "fp8",
+    "layoutspeed8b": "default layout",
+    "topkrows8b": "default layout",
+    "fp4speed8b": "fp4 aux alone",
+}
+# topkrows8b alternates the default (top-k at the loss rows) with the top-k at every row: each repetition says which
+TOPK_ROWS = {"loss": "default layout", "all": "default layout, top-k at every row"}
 GOAL = 0.95
 
 
@@ -34,7 +42,8 @@ def rows(results: dict) -> tuple[float | None, list[dict]]:
             ceiling = min(x for x in (server, disk_bound) if x) if server or disk_bound else None
             tps = rep.get("tokens_per_s")
             out.append({
-                "pipeline": name, "repetition": i, "tokens_per_s": tps, "bytes_per_token": per_token,
+                "pipeline": TOPK_ROWS.get(rep.get("topk_rows"), name),
+                "repetition": i, "tokens_per_s": tps, "bytes_per_token": per_token,
                 "plain_tokens_per_s": server, "plain_same_call": bool(same),
                 "disk_GBps": disk, "disk_bound_tokens_per_s": round(disk_bound, 1) if disk_bound else None,
                 "ratio": round(tps / ceiling, 3) if tps and ceiling else None,

@@ -43,3 +43,14 @@ def test_a_repetition_is_set_against_plain_sglang_of_its_own_call_where_it_ran_i
     same, other = speedreport.write(tmp_path, tmp_path)["rows"]
     assert same["plain_same_call"] and same["plain_tokens_per_s"] == 36_500.0 and same["ratio"] == 0.932
     assert not other["plain_same_call"] and other["plain_tokens_per_s"] == 37_000.0  # all calls' median
+
+
+def test_the_top_k_rows_pairs_are_named_by_the_rows_each_scored(tmp_path):
+    plain = [{"tokens_per_s": 40_000.0, "call": 1.0}]
+    reps = [{"tokens_per_s": t, "bytes_per_token": 7_000.0, "call": 1.0, "topk_rows": rows}
+            for t, rows in ((32_000.0, "all"), (38_000.0, "loss"))]  # fmt: skip
+    (tmp_path / "speed8b.json").write_text(json.dumps({"plain": plain}))
+    (tmp_path / "topkrows8b.json").write_text(json.dumps({"pipeline": reps}))
+    every, loss = speedreport.write(tmp_path, tmp_path)["rows"]
+    assert every["pipeline"] == "default layout, top-k at every row" and every["ratio"] == 0.8
+    assert loss["pipeline"] == "default layout" and loss["ratio"] == 0.95 and loss["plain_same_call"]
