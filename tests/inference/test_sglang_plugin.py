@@ -288,7 +288,15 @@ def test_the_capture_logs_what_it_costs_the_forwards_once_an_interval(sglang_cas
     first, second = results["clock"]  # nothing while the interval ran; then one line a forward at interval 0
     assert first.startswith("capture: 2 forwards in ") and second.startswith("capture: 1 forwards in ")
     for line in (first, second):
-        assert "ms of the scheduler's time" in line and "not timed (no GPU) of the device's (0 timed)" in line
+        assert "ms of the scheduler's time" in line and "not timed (no GPU) of the device's (0 timed" in line
+        assert line.endswith("on the forward stream)")
+
+
+def test_a_side_stream_asked_on_a_cpu_captures_as_the_forwards_own_and_a_bad_name_is_refused(sglang_cases):
+    results, dumps = sglang_cases
+    case = results["side_stream"]
+    _check_dump(dumps, case["rid"], case["prompt"])
+    assert "EAGLET_CAPTURE_STREAM='async'" in case["refused"] and "forward, side" in case["refused"]
 
 
 def test_no_temp_files_left(sglang_cases):

@@ -356,6 +356,18 @@ def _cases(out: Path) -> dict:
     results["five_layers"] = {"rid": five.rid, "prompt": prompt(6, 280),
                               "captured": captured_layers(w5._model_runner.model)}  # fmt: skip
 
+    # A side stream asked: on a CPU there is none, the capture runs as on the forward's stream; a bad name refused.
+    plugin.settings.capture_stream = "side"
+    side = req("eaglet:run1:s-side:0", prompt(5, 290))
+    forward(new_worker(), [(side, 0, 5)])
+    plugin.settings.capture_stream = "forward"
+    try:
+        DumpSettings(dump_dir=dumps, capture_stream="async")
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    results["side_stream"] = {"rid": side.rid, "prompt": prompt(5, 290), "refused": refused}
+
     default = standin_model()
     plugin.enable_capture(default)
     chosen = standin_model()

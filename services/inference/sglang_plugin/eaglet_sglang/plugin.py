@@ -23,6 +23,7 @@ model path that is not a local safetensors checkpoint (a hub id, a GGUF file) ca
 logged once and those requests get no dump, which their worker reports.
 """
 
+import contextlib
 import logging
 import os
 import time
@@ -49,6 +50,9 @@ from eaglet_sglang.writer import DumpJob, HostChunk, copy_rows, record_event
 log = logging.getLogger(__name__)
 
 
+CAPTURE_STREAMS = ("forward", "side")
+
+
 @dataclass(kw_only=True, slots=True)
 class DumpSettings:
     """Read from the server process's environment (``from_env``)."""
@@ -66,6 +70,11 @@ class DumpSettings:
     process; when full, the forward waits (back-pressure, shown in /status) rather than growing."""
     writer_threads: int = DEFAULT_THREADS
     """``EAGLET_DUMP_WRITER_THREADS``: dumps written at once, per scheduler process."""
+    capture_stream: str = "forward"
+    """``EAGLET_CAPTURE_STREAM``: where a GPU runs the capture's kernels and copies to the host. ``forward``: on the
+    forward's own stream, after it (the next forward starts once they are done); ``side``: on a stream of the plugin's,
+    after the forward, beside the next one (the copies use the copy engines the forward leaves idle, the top-k's
+    product shares the SMs)."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -75,6 +84,8 @@ class DumpSettings:
                 f"EAGLET_DUMP_QUEUE_BYTES={self.queue_bytes}, EAGLET_DUMP_WRITER_THREADS={self.writer_threads}: "
                 "both must be positive"
             )
+        if self.capture_stream not in CAPTURE_STREAMS:
+            raise ValueError(f"EAGLET_CAPTURE_STREAM={self.capture_stream!r}: one of {', '.join(CAPTURE_STREAMS)}")
         if self.aux_layer_ids is not None:
             problem = layer_ids_problem(self.aux_layer_ids, None)
             if problem:
@@ -93,6 +104,7 @@ class DumpSettings:
             aux_layer_ids=parse_layer_ids(ids, "EAGLET_AUX_LAYER_IDS") if ids else None,
             queue_bytes=int(env.get("EAGLET_DUMP_QUEUE_BYTES", DEFAULT_CAP_BYTES)),
             writer_threads=int(env.get("EAGLET_DUMP_WRITER_THREADS", DEFAULT_THREADS)),
+            capture_stream=env.get("EAGLET_CAPTURE_STREAM", "forward"),
         )
 
 
@@ -125,10 +137,12 @@ class _Worker:
 class CaptureClock:
     """What the capture costs the forwards it rides on, logged every ``every_s``: the scheduler thread's time in the
     hook (the next forward's launch waits for it) and, on a GPU, the device's time from the hook's first kernel to
-    its last copy (the forward's stream runs them before the next forward). Events are read once they have passed,
+    its last copy (on the forward's stream they run before the next forward). Events are read once they have passed,
     never waited for; at most ``pending.maxlen`` wait to be read."""
 
     every_s: float = 60.0
+    stream: str = "forward"
+    """The stream its device work runs on (``DumpSettings.capture_stream``), named in each line."""
     forwards: int = 0
     host_s: float = 0.0
     device_ms: float = 0.0
@@ -147,8 +161,8 @@ class CaptureClock:
         if now - self.since >= self.every_s:
             device = f"{self.device_ms / self.timed:.2f} ms" if self.timed else "not timed (no GPU)"
             log.info("capture: %d forwards in %.0f s; a forward's hook took %.2f ms of the scheduler's time, its "
-                     "kernels and copies %s of the device's (%d timed)", self.forwards, now - self.since,
-                     1e3 * self.host_s / self.forwards, device, self.timed)  # fmt: skip
+                     "kernels and copies %s of the device's (%d timed; on the %s stream)", self.forwards,
+                     now - self.since, 1e3 * self.host_s / self.forwards, device, self.timed, self.stream)  # fmt: skip
             self.forwards, self.host_s, self.device_ms, self.timed, self.since = 0, 0.0, 0.0, 0, now
 
 
@@ -164,7 +178,8 @@ class DumpPlugin:
         self._final: torch.Tensor | None = None
         self._next_expiry = 0.0
         self._warned: set[str] = set()
-        self.clock = CaptureClock()
+        self._side: dict[torch.device, torch.cuda.Stream] = {}  # EAGLET_CAPTURE_STREAM=side: one a device
+        self.clock = CaptureClock(stream=settings.capture_stream)
 
     # --- hooks ---------------------------------------------------------------------------------
 
@@ -320,20 +335,20 @@ class DumpPlugin:
             kept = [r for r in kept if not encodings[r.rid].aux_fp4]
             if not kept:
                 return None
-        first = record_event(aux.device)
-        device = encode_forms(
-            aux=aux[:needed], final=final[:needed], wanted=[dump_forms(e) for e in encodings.values()]
-        )
-        topk = self._topk(info, snapshot, final) if any(e.topk for e in encodings.values()) else {}
-        copies = []
-        for r in kept:
-            host = {
-                name: copy_rows(device[form], r.start, r.length) for name, form in dump_forms(encodings[r.rid]).items()
-            }
-            if r.rid in topk:
-                host.update(zip(TOPK_TENSORS, (copy_rows(t, 0, t.shape[0]) for t in topk[r.rid]), strict=True))
-            copies.append((r, host))
-        event = record_event(aux.device)
+        with self._capture_stream(aux, final):
+            first = record_event(aux.device)
+            device = encode_forms(
+                aux=aux[:needed], final=final[:needed], wanted=[dump_forms(e) for e in encodings.values()]
+            )
+            topk = self._topk(info, snapshot, final) if any(e.topk for e in encodings.values()) else {}
+            copies = []
+            for r in kept:
+                forms = dump_forms(encodings[r.rid]).items()
+                host = {name: copy_rows(device[form], r.start, r.length) for name, form in forms}
+                if r.rid in topk:
+                    host.update(zip(TOPK_TENSORS, (copy_rows(t, 0, t.shape[0]) for t in topk[r.rid]), strict=True))
+                copies.append((r, host))
+            event = record_event(aux.device)
         for rows, host in copies:
             done = self.collector.add(rows, HostChunk(host, event))
             if done is not None:
@@ -345,6 +360,22 @@ class DumpPlugin:
             self._next_expiry = now + 1.0
             self.collector.expire()
         return None if first is None or event is None else (first, event)
+
+    def _capture_stream(self, aux: torch.Tensor, final: torch.Tensor) -> "contextlib.AbstractContextManager":
+        """The stream the capture's device work is queued on: the current (the forward's), or with
+        ``capture_stream="side"`` on a GPU the plugin's side stream, made to wait for the forward's work first. The
+        forward's outputs are then read on the side stream while the next forward runs: ``record_stream`` keeps the
+        allocator from handing their memory to that forward before the reads are done (prefill forwards run eagerly
+        here, their outputs fresh tensors, never a CUDA graph's buffers: see ``check_prefill_graph``)."""
+        if self.settings.capture_stream != "side" or not aux.is_cuda:
+            return contextlib.nullcontext()
+        side = self._side.get(aux.device)
+        if side is None:
+            side = self._side[aux.device] = torch.cuda.Stream(aux.device)
+        side.wait_stream(torch.cuda.current_stream(aux.device))
+        for t in (aux, final):
+            t.record_stream(side)
+        return torch.cuda.stream(side)
 
     def _topk(
         self, info: _Worker, snapshot: _Snapshot, final: torch.Tensor
