@@ -159,9 +159,18 @@ def redis_up() -> None:
     ensure(REDIS)
 
 
-def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: float = 420, port: int = 0) -> float:
+def sglang(
+    name: str,
+    model: Path,
+    *,
+    plugin: bool,
+    extra: list[str],
+    timeout: float = 420,
+    port: int = 0,
+    env: dict | None = None,
+) -> float:
     """Starts SGLang on ``port`` (0: SGL_PORT): with the plugin through eaglet's launch command, without it as plain
-    launch_server."""
+    launch_server; ``env``: more of the server's environment (the plugin's settings)."""
     port = port or SGL_PORT
     if plugin:
         argv = (
@@ -181,7 +190,7 @@ def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: f
             + extra
             + SGL_BASE
         )
-        env = {"EAGLET_DUMP_DIR": str(DUMPS)}
+        env = {"EAGLET_DUMP_DIR": str(DUMPS), **(env or {})}
         pp = PY_SGL_PLUGIN
     else:
         argv = (
@@ -200,7 +209,7 @@ def sglang(name: str, model: Path, *, plugin: bool, extra: list[str], timeout: f
             + extra
             + SGL_BASE
         )
-        env, pp = {}, PY_SGL_PLAIN
+        pp = PY_SGL_PLAIN
     log(f"{name}: {' '.join(argv[1:])}")
     start(name, argv, pp, env)
     up = wait_health(name, port, timeout)

@@ -28,6 +28,9 @@ Phases:
             shape: a short check of the plugin inside SGLang.
   topkrows8b  the default layout with its top-k at every position against at the loss positions alone (the
             default), alternating on one server (TOPKROWS_PAIRS pairs): each pair's ratio.
+  stream8b  the default layout with the capture on the forward's stream against on the plugin's side stream
+            (EAGLET_CAPTURE_STREAM): two plugin servers side by side, the pipeline alternating between them
+            (STREAM_PAIRS pairs), the side stream's dumps checked first: each pair's ratio.
   diskpatterns  the data disk under the store's write pattern (sample-sized files, sendfile from shared memory,
             fsync, rename, folder fsync; 8 to 64 writers; removed behind or kept) beside the plain probe.
   ref8b     the reference server at the 8B shape: server alone (--no-dump) vs the pipeline.
@@ -53,6 +56,7 @@ ESTIMATE_S = {
     "layoutbits": 90,
     "smolspeed": 200,  # two server starts and plain's repetitions; each pipeline repetition only where it fits
     "topkrows8b": 180,  # the server start and the check; each repetition is started only where it fits
+    "stream8b": 240,  # two server starts and the check; each repetition is started only where it fits
     "fp4speed8b": 480,  # as layoutspeed8b; two repetitions after a 176 s first start were cut at 550 s with a third
     "diskpatterns": 90,
     "ref8b": 150,
@@ -74,6 +78,7 @@ PHASES = {
     "smolspeed": speed.phase_smolspeed,
     "layoutbits": speed.phase_layoutbits,
     "topkrows8b": speed.phase_topkrows8b,
+    "stream8b": speed.phase_stream8b,
     "fp4speed8b": speed.phase_fp4speed8b,
     "diskpatterns": disk.phase_diskpatterns,
     "ref8b": speed.phase_ref8b,

@@ -147,6 +147,54 @@ def phase_topkrows8b() -> None:
     H.save("topkrows8b")
 
 
+def phase_stream8b() -> None:
+    """The default layout at the 8B shape with the capture's device work on the forward's stream against on the
+    plugin's side stream (``EAGLET_CAPTURE_STREAM``): two plugin servers side by side on the GPU (each with half the
+    memory; one idles while the other serves), the pipeline alternating between them, ``STREAM_PAIRS`` pairs of
+    ``NPIPE8B`` samples; the side stream's dumps checked against the workers' encoders first. ``side_over_forward``:
+    each pair's ratio, same call and servers. A repetition that would pass the call's deadline is not started."""
+    from eaglet.shared.runoptions import DEFAULT_TOPK
+
+    R = H.RESULTS.setdefault("stream8b", {})
+    model = H.MODELS / "l8b"
+    if not (model / "config.json").exists():
+        training.phase_models()
+    H.redis_up()
+    H.DUMPS.mkdir(parents=True, exist_ok=True)
+    extra = [*H.L8B_EXTRA[: H.L8B_EXTRA.index("--mem-fraction-static")], "--mem-fraction-static", "0.4",
+             *H.L8B_EXTRA[H.L8B_EXTRA.index("--mem-fraction-static") + 2 :]]  # fmt: skip
+    ports = {"forward": H.SGL_PORT + 60, "side": H.SGL_PORT + 61}
+    R["flags"] = " ".join(extra + H.SGL_BASE)
+    for stream, port in ports.items():
+        env = {"EAGLET_CAPTURE_STREAM": stream}
+        R[f"{stream}_startup_s"] = H.sglang(f"s8b-{stream}", model, plugin=True, extra=extra, port=port, env=env)
+        H.bench(port, l8b_prompts(32, 1), H.L8B_CONCURRENCY, f"eaglet:warm{stream}:s:", True)
+    R["side_encoders_vs_cpu"] = layout_bits_check(l8b_prompts(8, 98), DEFAULT_TOPK, model, ports["side"])
+    H.save("stream8b")
+    n, longest = int(os.environ.get("NPIPE8B", "1200")), 0.0
+    R.setdefault("pipeline", [])
+    for pair in range(int(os.environ.get("STREAM_PAIRS", "2"))):
+        for stream, port in ports.items():
+            if not fits(R, longest):
+                break
+            t = time.time()
+            ds = H.ROOT / f"stream8b-{pair}.jsonl"  # the pair's two runs on the same samples
+            H.pretokenized(ds, [H.L8B_LENGTH] * n, 49152, seed=40 + pair)
+            with H.MemorySampler(H.PROCS[f"s8b-{stream}"].pid) as memory:
+                out = H.pipeline(f"stream8b-{stream}-{pair}-{int(t)}", model, ds, port, H.L8B_CONCURRENCY, 8192,
+                                 timeout=400, sink=True, store_options={})  # fmt: skip
+            R["pipeline"].append({**out, "capture_stream": stream, "server_memory": memory.result(), "call": H.T0})
+            longest = max(longest, time.time() - t)
+            H.log(f"stream8b {stream} pair {pair}: {out['tokens_per_s']} tok/s")
+            H.save("stream8b")
+    by = {s: [r["tokens_per_s"] for r in R["pipeline"] if r["capture_stream"] == s] for s in ports}
+    R["side_over_forward"] = [round(b / a, 4) for a, b in zip(by["forward"], by["side"], strict=False) if a and b]
+    R["plugin_log"] = {stream: extraction.plugin_lines(f"s8b-{stream}") for stream in ports}
+    for stream in ports:
+        H.stop(f"s8b-{stream}")
+    H.save("stream8b")
+
+
 def phase_layoutbits() -> None:
     """The default layout's encoders checked against the workers' (``layout_bits_check``) at SmolLM2's shape: the
     plugin's top-k at loss rows inside SGLang in a short call (its server starts in a minute, the 8B one's in two)."""
@@ -292,11 +340,12 @@ def dumps_of(client: httpx.Client, ids: list[int], tag: str, kinds: dict[str, di
     return paths
 
 
-def layout_bits_check(prompts: list[list[int]], k: int, model: Path | None = None) -> dict:
+def layout_bits_check(prompts: list[list[int]], k: int, model: Path | None = None, port: int = 0) -> dict:
     """The default layout's dump against the workers' CPU encoders on the full-width dump of the same prompt: the
     4-bit aux states bit for bit; the top-k against ``encode_topk`` on the GPU from the full-width final states (the
     plugin scores every asking request's rows in one product, whose kernel may round otherwise), at every position
-    and at the loss positions only (the default: the request names the spans, here the prompt's second half)."""
+    and at the loss positions only (the default: the request names the spans, here the prompt's second half). On the
+    plugin server at ``port`` (0: ``plugin_server``'s, started if need be)."""
     import torch
 
     from eaglet.shared.dumpfile import read_dump
@@ -306,8 +355,9 @@ def layout_bits_check(prompts: list[list[int]], k: int, model: Path | None = Non
     from eaglet.shared.topk import encode_topk
 
     model = model or H.MODELS / "l8b"
-    plugin_server(model)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{H.SGL_PORT}", timeout=600)
+    if not port:
+        plugin_server(model)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port or H.SGL_PORT}", timeout=600)
     head = load_target_tensors(model, ("lm_head",))["lm_head"].cuda()
     out = {"prompts": 0, "fp4_identical": 0, "final_state_omitted": 0, "topk_ids_equal_fraction": [],
            "topk_logp_max_abs_diff": [], "loss_rows_ids_equal_fraction": [], "loss_rows_shape_ok": 0}  # fmt: skip

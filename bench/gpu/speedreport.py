@@ -1,5 +1,5 @@
 """The pipeline's speed at the 8B shape against its two ceilings: from the phases speed8b (plain SGLang, the bf16
-pipeline), fp8speed8b, layoutspeed8b, topkrows8b and fp4speed8b (phases.py), each repetition's tokens/s over
+pipeline), fp8speed8b, layoutspeed8b, topkrows8b, stream8b and fp4speed8b (phases.py), each repetition's tokens/s over
 min(plain SGLang's median, the disk's fsync bandwidth probed just before it ÷ the bytes a token that repetition
 stored). Plain SGLang's median is that of the repetitions in the pipeline's own call where there are any
 (``plain_same_call``: true), else of all of them (another call, maybe another machine: false).
@@ -17,10 +17,20 @@ PHASES = {
     "fp8speed8b": "fp8",
     "layoutspeed8b": "default layout",
     "topkrows8b": "default layout",
+    "stream8b": "default layout",
     "fp4speed8b": "fp4 aux alone",
 }
-# topkrows8b alternates the default (top-k at the loss rows) with the top-k at every row: each repetition says which
-TOPK_ROWS = {"loss": "default layout", "all": "default layout, top-k at every row"}
+
+
+def row_name(name: str, rep: dict) -> str:
+    """The pipeline a repetition ran: its phase's, with what the A/B phases varied (each repetition says)."""
+    if rep.get("topk_rows") == "all":  # topkrows8b: the default (the top-k at the loss rows) against every row
+        return f"{name}, top-k at every row"
+    if rep.get("capture_stream"):  # stream8b: two servers side by side, each with 0.4 of the GPU's memory
+        return f"{name}, capture on the {rep['capture_stream']} stream (two servers)"
+    return name
+
+
 GOAL = 0.95
 
 
@@ -42,7 +52,7 @@ def rows(results: dict) -> tuple[float | None, list[dict]]:
             ceiling = min(x for x in (server, disk_bound) if x) if server or disk_bound else None
             tps = rep.get("tokens_per_s")
             out.append({
-                "pipeline": TOPK_ROWS.get(rep.get("topk_rows"), name),
+                "pipeline": row_name(name, rep),
                 "repetition": i, "tokens_per_s": tps, "bytes_per_token": per_token,
                 "plain_tokens_per_s": server, "plain_same_call": bool(same),
                 "disk_GBps": disk, "disk_bound_tokens_per_s": round(disk_bound, 1) if disk_bound else None,

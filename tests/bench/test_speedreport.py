@@ -45,12 +45,15 @@ def test_a_repetition_is_set_against_plain_sglang_of_its_own_call_where_it_ran_i
     assert not other["plain_same_call"] and other["plain_tokens_per_s"] == 37_000.0  # all calls' median
 
 
-def test_the_top_k_rows_pairs_are_named_by_the_rows_each_scored(tmp_path):
+def test_the_ab_phases_rows_are_named_by_what_each_repetition_varied(tmp_path):
     plain = [{"tokens_per_s": 40_000.0, "call": 1.0}]
     reps = [{"tokens_per_s": t, "bytes_per_token": 7_000.0, "call": 1.0, "topk_rows": rows}
             for t, rows in ((32_000.0, "all"), (38_000.0, "loss"))]  # fmt: skip
     (tmp_path / "speed8b.json").write_text(json.dumps({"plain": plain}))
     (tmp_path / "topkrows8b.json").write_text(json.dumps({"pipeline": reps}))
-    every, loss = speedreport.write(tmp_path, tmp_path)["rows"]
+    streams = [{"tokens_per_s": 36_000.0, "bytes_per_token": 7_000.0, "call": 1.0, "capture_stream": "side"}]
+    (tmp_path / "stream8b.json").write_text(json.dumps({"pipeline": streams}))
+    every, loss, side = speedreport.write(tmp_path, tmp_path)["rows"]
     assert every["pipeline"] == "default layout, top-k at every row" and every["ratio"] == 0.8
     assert loss["pipeline"] == "default layout" and loss["ratio"] == 0.95 and loss["plain_same_call"]
+    assert side["pipeline"] == "default layout, capture on the side stream (two servers)" and side["ratio"] == 0.9
