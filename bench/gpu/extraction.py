@@ -5,6 +5,7 @@ server, per tensor (``smol``: SmolLM2-135M shape, random weights; ``real``: the 
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -102,6 +103,36 @@ def compare_with_reference(run_id: str, model: Path, limit: int | None = None) -
         "per_sample_first": per_sample[:12],
         "worst_samples": sorted(per_sample, key=lambda r: -r.get("hidden_states", {}).get("max_abs", 0))[:5],
     }
+
+
+PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+),.*?#queue-req: (\d+)")
+
+
+def log_size(name: str) -> int:
+    """Where the server's log ends now: a later ``prefill_batches`` reads what it wrote since."""
+    try:
+        return (H.LOGS / f"{name}.log").stat().st_size
+    except OSError:
+        return 0
+
+
+def prefill_batches(name: str, since: int) -> dict:
+    """SGLang's prefill batches logged since byte ``since`` of its log (one line a batch at --log-level info): how many,
+    and the requests, tokens and queued requests of a batch on average. Few requests a batch and none queued: the
+    clients keep too few in flight; full batches and a queue: the server is the bound."""
+    try:
+        with open(H.LOGS / f"{name}.log", "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return {"batches": 0}
+    found = [tuple(map(int, m.groups())) for m in PREFILL.finditer(text)]
+    if not found:
+        return {"batches": 0}
+    seqs, tokens, queued = zip(*found, strict=True)
+    n = len(found)
+    return {"batches": n, "mean_seqs": round(sum(seqs) / n, 2), "mean_tokens": round(sum(tokens) / n, 1),
+            "mean_queued": round(sum(queued) / n, 2)}  # fmt: skip
 
 
 def plugin_lines(name: str) -> list[str]:

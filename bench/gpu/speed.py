@@ -226,7 +226,9 @@ def phase_smolspeed() -> None:
     """SmolLM2-135M's shape (random bf16 weights): plain SGLang's prefill on ``SMOL_SAMPLES`` samples of chat lengths
     (64-768 tokens, ``GPUBENCH_LOSS_SHARE`` of each under the loss), ``SMOL_CONCURRENCY`` requests in flight, three
     times; then the pipeline on the same samples in the default layout at each of ``SMOL_WORKERS`` worker counts,
-    three times each; one call, one machine. Each count's ratio: its median over plain's."""
+    three times each; one call, one machine. Each count's ratio: its median over plain's. Each repetition records
+    SGLang's prefill batches (how full, how much queued) and the plugin logs its cost every 10 s: the profile that
+    says whether the workers keep too few requests in flight or the server's host work is the bound."""
     R = H.RESULTS.setdefault("smolspeed", {})
     model = H.MODELS / "smol"
     if not (model / "config.json").exists():
@@ -244,21 +246,26 @@ def phase_smolspeed() -> None:
     R["plain_startup_s"] = H.sglang("smol-plain", model, plugin=False, extra=SMOL_EXTRA)
     H.bench(H.SGL_PORT, prompts[:64], conc, "warm-", False)
     for rep in range(H.L8B_REPS):
-        R["plain"].append({**H.bench(H.SGL_PORT, prompts, conc, f"plain{rep}-", False), "call": H.T0})
+        since = extraction.log_size("smol-plain")
+        plain = H.bench(H.SGL_PORT, prompts, conc, f"plain{rep}-", False)
+        R["plain"].append({**plain, "prefill_batches": extraction.prefill_batches("smol-plain", since), "call": H.T0})
         H.save("smolspeed")
     H.stop("smol-plain")
-    R["plugin_startup_s"] = H.sglang("smol-plugin", model, plugin=True, extra=SMOL_EXTRA)
+    # the capture's cost lines every 10 s: a repetition lasts tens of seconds
+    env = {"EAGLET_CAPTURE_LOG_S": "10"}
+    R["plugin_startup_s"] = H.sglang("smol-plugin", model, plugin=True, extra=SMOL_EXTRA, env=env)
     H.bench(H.SGL_PORT, prompts[:64], conc, "eaglet:warm:s:", True)
     longest = 0.0
     for workers in counts:
         for rep in range(H.L8B_REPS):
             if not fits(R, longest):
                 break
-            t = time.time()
+            t, since = time.time(), extraction.log_size("smol-plugin")
             out = H.pipeline(f"smolspeed-{workers}-{rep}-{int(t)}", model, ds, H.SGL_PORT, workers, 8192, timeout=300,
                              sink=True, store_options={})  # fmt: skip
             longest = max(longest, time.time() - t)
-            R["pipeline"].append({**out, "workers": workers, "call": H.T0})
+            batches = extraction.prefill_batches("smol-plugin", since)
+            R["pipeline"].append({**out, "workers": workers, "prefill_batches": batches, "call": H.T0})
             H.log(f"smolspeed {workers} workers, repetition {rep}: {out.get('tokens_per_s')} tok/s")
             H.save("smolspeed")
     R["plugin_log"] = extraction.plugin_lines("smol-plugin")

@@ -292,11 +292,12 @@ def test_the_capture_logs_what_it_costs_the_forwards_once_an_interval(sglang_cas
         assert line.endswith("on the forward stream)")
 
 
-def test_a_side_stream_asked_on_a_cpu_captures_as_the_forwards_own_and_a_bad_name_is_refused(sglang_cases):
+def test_a_side_stream_asked_on_a_cpu_captures_as_the_forwards_own_and_bad_settings_are_refused(sglang_cases):
     results, dumps = sglang_cases
     case = results["side_stream"]
     _check_dump(dumps, case["rid"], case["prompt"])
     assert "EAGLET_CAPTURE_STREAM='async'" in case["refused"] and "forward, side" in case["refused"]
+    assert "EAGLET_CAPTURE_LOG_S=0.0" in case["log_every_refused"] and case["log_every_s"] == 10.0
 
 
 def test_no_temp_files_left(sglang_cases):

@@ -366,7 +366,14 @@ def _cases(out: Path) -> dict:
         refused = ""
     except ValueError as e:
         refused = str(e)
-    results["side_stream"] = {"rid": side.rid, "prompt": prompt(5, 290), "refused": refused}
+    try:
+        DumpSettings.from_env({"EAGLET_DUMP_DIR": str(dumps), "EAGLET_CAPTURE_LOG_S": "0"})
+        every_refused = ""
+    except ValueError as e:
+        every_refused = str(e)
+    every = DumpPlugin(DumpSettings.from_env({"EAGLET_DUMP_DIR": str(dumps), "EAGLET_CAPTURE_LOG_S": "10"})).clock
+    results["side_stream"] = {"rid": side.rid, "prompt": prompt(5, 290), "refused": refused,
+                              "log_every_refused": every_refused, "log_every_s": every.every_s}  # fmt: skip
 
     default = standin_model()
     plugin.enable_capture(default)

@@ -75,6 +75,8 @@ class DumpSettings:
     forward's own stream, after it (the next forward starts once they are done); ``side``: on a stream of the plugin's,
     after the forward, beside the next one (the copies use the copy engines the forward leaves idle, the top-k's
     product shares the SMs)."""
+    capture_log_s: float = 60.0
+    """``EAGLET_CAPTURE_LOG_S``: how often the capture logs what it cost the forwards since its last line."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -84,6 +86,8 @@ class DumpSettings:
                 f"EAGLET_DUMP_QUEUE_BYTES={self.queue_bytes}, EAGLET_DUMP_WRITER_THREADS={self.writer_threads}: "
                 "both must be positive"
             )
+        if self.capture_log_s <= 0:
+            raise ValueError(f"EAGLET_CAPTURE_LOG_S={self.capture_log_s}: give a positive number of seconds")
         if self.capture_stream not in CAPTURE_STREAMS:
             raise ValueError(f"EAGLET_CAPTURE_STREAM={self.capture_stream!r}: one of {', '.join(CAPTURE_STREAMS)}")
         if self.aux_layer_ids is not None:
@@ -105,6 +109,7 @@ class DumpSettings:
             queue_bytes=int(env.get("EAGLET_DUMP_QUEUE_BYTES", DEFAULT_CAP_BYTES)),
             writer_threads=int(env.get("EAGLET_DUMP_WRITER_THREADS", DEFAULT_THREADS)),
             capture_stream=env.get("EAGLET_CAPTURE_STREAM", "forward"),
+            capture_log_s=float(env.get("EAGLET_CAPTURE_LOG_S", "60")),
         )
 
 
@@ -179,7 +184,7 @@ class DumpPlugin:
         self._next_expiry = 0.0
         self._warned: set[str] = set()
         self._side: dict[torch.device, torch.cuda.Stream] = {}  # EAGLET_CAPTURE_STREAM=side: one a device
-        self.clock = CaptureClock(stream=settings.capture_stream)
+        self.clock = CaptureClock(every_s=settings.capture_log_s, stream=settings.capture_stream)
 
     # --- hooks ---------------------------------------------------------------------------------
 
