@@ -295,6 +295,7 @@ def pipeline(
 
     redis = Redis.from_url(REDIS_URL, decode_responses=True)
     names = start_workers(run_id, model, port, workers, store)
+    cpu_before = cpu_seconds()
     t_start = time.time()
     options = RunOptions(max_tokens=max_tokens, **(EVERY_STATE if store_options is None else store_options))
     res = ingest_new_run(redis, Settings(), run_id, dataset, options)
@@ -314,6 +315,7 @@ def pipeline(
             break
         time.sleep(0.05)
     wall = time.time() - t_start
+    cpu = cpu_busy(cpu_before, cpu_seconds(), wall, {PROCS[n].pid for n in names if n in PROCS})
     counts = redis.hgetall(RunKeys(run_id).counts)
     failures = redis.hgetall(RunKeys(run_id).failures)
     for n in names:
@@ -335,9 +337,42 @@ def pipeline(
         "store": store,
         "layout": options.layout().name,
         "removed_behind": removed[0],
+        # where the host's cores went: the workers' CPU a sample, the busiest processes (SGLang's scheduler among them)
+        "worker_cpu_ms_per_sample": round(1e3 * cpu.pop("workers_s") / max(int(counts.get("done", 0)), 1), 2),
+        **cpu,
     }
     log(f"{run_id}: {json.dumps(out)[:600]}")
     return out
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of every process under this one, by pid, with what it runs: SGLang's
+    process titles (``sglang::scheduler``...) or the command line past the interpreter."""
+    import psutil
+
+    out = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            with proc.oneshot():
+                cmd, times = proc.cmdline(), proc.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        if cmd and "python" in Path(cmd[0]).name:
+            cmd = cmd[1:]
+        out[proc.pid] = (" ".join(cmd)[:90], times.user + times.system)
+    return out
+
+
+def cpu_busy(before: dict, after: dict, wall: float, workers: set[int], top: int = 8) -> dict:
+    """Each process's cores busy between two ``cpu_seconds`` (1.0: one core all the time), the ``top`` busiest; all
+    of them together; and the CPU seconds of the ``workers`` pids."""
+    busy = {pid: (after[pid][0], after[pid][1] - before[pid][1]) for pid in after.keys() & before.keys()}
+    ranked = sorted(busy.items(), key=lambda kv: -kv[1][1])
+    return {
+        "cpu_busiest": [{"process": what, "pid": pid, "cores": round(s / wall, 2)} for pid, (what, s) in ranked[:top]],
+        "cpu_cores_busy": round(sum(s for _, s in busy.values()) / wall, 2),
+        "workers_s": sum(s for pid, (_, s) in busy.items() if pid in workers),
+    }
 
 
 def start_workers(prefix: str, model: Path, port: int, workers: int, store: str = "model") -> list[str]:

@@ -211,3 +211,23 @@ def test_a_log_tail_names_the_checkouts_files_from_its_root(tmp_path, monkeypatc
     P.LOGS.mkdir(parents=True, exist_ok=True)
     (P.LOGS / "t.log").write_text(f'File "{P.REPO}/bench/gpu/specforge_train.py", line 81\nValueError: x\n')
     assert P.tail("t") == 'File "bench/gpu/specforge_train.py", line 81\nValueError: x'
+
+
+def test_the_pipelines_cpu_profile_names_the_busy_process_and_the_workers_seconds(tmp_path, monkeypatch):
+    P = load_phases(tmp_path, monkeypatch)
+    import subprocess
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 3: pass\ntime.sleep(30)"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)  # both started
+        before, t = P.cpu_seconds(), time.time()
+        time.sleep(1.0)  # the spinner spins throughout
+        cpu = P.cpu_busy(before, P.cpu_seconds(), time.time() - t, {busy.pid})
+    finally:
+        busy.kill(), idle.kill()
+    first = cpu["cpu_busiest"][0]
+    assert first["pid"] == busy.pid and first["process"].startswith("-c import time") and first["cores"] > 0.2
+    assert next(r for r in cpu["cpu_busiest"] if r["pid"] == idle.pid)["cores"] < 0.05
+    assert 0.2 < cpu["workers_s"] <= 1.5 and cpu["cpu_cores_busy"] >= first["cores"]
