@@ -21,6 +21,9 @@ ANSWER_TOKENS = int(os.environ.get("H2H_ANSWER_TOKENS", "256"))
 GEN_CONCURRENCY = int(os.environ.get("H2H_GEN_CONCURRENCY", "256"))
 WORKERS = int(os.environ.get("H2H_WORKERS", "16"))
 EPOCHS = int(os.environ.get("H2H_EPOCHS", "2"))
+# SpecForge's EAGLE-3 learning rate (``training.learning_rate``); unset: its own default, 1e-4. Its best of 1e-4 / 1e-3
+# on the kept data was 1e-3 (2026-12-04): the fair comparison sets it.
+SPECFORGE_LR = float(os.environ["H2H_SPECFORGE_LR"]) if os.environ.get("H2H_SPECFORGE_LR") else None
 EVAL_TOKENS = int(os.environ.get("H2H_EVAL_TOKENS", "256"))
 EVAL_CONCURRENCY = int(os.environ.get("H2H_EVAL_CONCURRENCY", "64"))
 # (steps, topk, draft tokens); more as "3,1,4;5,1,6"

@@ -313,6 +313,23 @@ def rows() -> list[dict]:
                         "heldout_acc": final.get("heldout_acc"), "train_wall_s": train.get("wall_s"),
                         "peak_gpu_GiB_all_trainers": train.get("peak_gpu_GiB"),
                         "peak_allocated_GiB": train.get("peak_allocated_GiB"), "call": "this"})  # fmt: skip
+    return out + eagle3_rows()
+
+
+def eagle3_rows() -> list[dict]:
+    """EAGLE-3 at (3, 1, 4) beside DFlash: eaglet's and SpecForge's drafters as this call sequence's h2h-eval served
+    them (h2h-eaglet, h2h-specforge at H2H_SPECFORGE_LR), else eaglet's as the committed 2026-12-04 run measured it
+    (labelled: another day's call)."""
+    chain, ev = str((3, 1, 4)), P.RESULTS.get("h2h-eval", {})
+    lr = P.RESULTS.get("h2h-specforge", {}).get("lr")
+    out = [{"method": "eagle3 (3, 1, 4)", "trainer": trainer, "prompt_set": pset,
+            "accept_length": res.get("accept_length"), "tokens_per_s": res.get("output_tokens_per_s"),
+            "accept_rate_per_position": res.get("accept_rate_per_position"), "error": res.get("error"),
+            "specforge_lr": lr if trainer == "specforge" else None, "call": "this sequence"}
+           for trainer in ("eaglet", "specforge")
+           for pset, res in (ev.get(trainer, {}).get(chain) or {}).items() if isinstance(res, dict)]  # fmt: skip
+    if out:
+        return out
     if EAGLE3_COMMITTED.exists():
         for r in json.loads(EAGLE3_COMMITTED.read_text()).get("rows", []):
             if r.get("chain") == "(3, 1, 4)":

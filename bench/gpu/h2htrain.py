@@ -181,7 +181,7 @@ def phase_specforge() -> None:
     P.save("h2h-specforge")
     batches, batch_size = specforge_batch(rows)
     cfg = run_config(target_view(h2h.SMOL, P.MODELS / "smollm2-specforge"), feats, h2h.H2H / "sf-run",
-                     epochs=h2h.EPOCHS, batch_size=batch_size, max_length=2048)  # fmt: skip
+                     epochs=h2h.EPOCHS, batch_size=batch_size, max_length=2048, lr=h2h.SPECFORGE_LR)  # fmt: skip
     (h2h.H2H / "sf-run").mkdir(parents=True, exist_ok=True)
     cfg_path = h2h.H2H / "sf-run" / "config.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))
@@ -189,7 +189,8 @@ def phase_specforge() -> None:
     argv = [sys.executable, "bench/gpu/specforge_train.py", str(cfg_path), str(drafter)]
     R["config"] = cfg
     R = run_trainer(R, "h2h-specforge", argv, h2h.PY_SPECFORGE, {}, TRAIN_TIMEOUT)
-    R.update(epochs=h2h.EPOCHS, batch_size=batch_size, eaglet_batches_per_epoch=batches, train_samples=len(rows),
+    R.update(epochs=h2h.EPOCHS, lr=h2h.SPECFORGE_LR or "its default", batch_size=batch_size,
+             eaglet_batches_per_epoch=batches, train_samples=len(rows),
              train_tokens=sum(r[2] for r in rows) * h2h.EPOCHS,
              optimizer_steps=-(-len(rows) // batch_size) * h2h.EPOCHS,
              drafter_dir=str(drafter))  # fmt: skip

@@ -231,3 +231,18 @@ def test_the_pipelines_cpu_profile_names_the_busy_process_and_the_workers_second
     assert first["pid"] == busy.pid and first["process"].startswith("-c import time") and first["cores"] > 0.2
     assert next(r for r in cpu["cpu_busiest"] if r["pid"] == idle.pid)["cores"] < 0.05
     assert 0.2 < cpu["workers_s"] <= 1.5 and cpu["cpu_cores_busy"] >= first["cores"]
+
+
+def test_the_dflash_report_sets_eagle3_of_this_sequence_beside_it_else_the_committed_labelled(tmp_path, monkeypatch):
+    P = load_phases(tmp_path, monkeypatch)
+    _, D = load_h2h("h2hdflash")
+    committed = D.eagle3_rows()  # no h2h-eval in this sequence: the committed 2026-12-04 figures, labelled
+    assert committed and all(r["trainer"] == "eaglet" and r["call"].startswith("2026-12-04") for r in committed)
+    served = {"humaneval": {"accept_length": 1.6, "output_tokens_per_s": 900.0}, "heldout": {"error": "boom"}}
+    P.RESULTS["h2h-eval"] = {"eaglet": {"(3, 1, 4)": served}, "specforge": {"(3, 1, 4)": served, "(5, 1, 6)": served}}
+    P.RESULTS["h2h-specforge"] = {"lr": 1e-3}
+    rows = D.eagle3_rows()
+    assert [(r["trainer"], r["prompt_set"], r["call"]) for r in rows] == [
+        ("eaglet", "humaneval", "this sequence"), ("eaglet", "heldout", "this sequence"),
+        ("specforge", "humaneval", "this sequence"), ("specforge", "heldout", "this sequence")]  # fmt: skip
+    assert rows[2]["specforge_lr"] == 1e-3 and rows[0]["specforge_lr"] is None and rows[1]["error"] == "boom"
