@@ -1,6 +1,6 @@
 """What every CPU benchmark shares: the machine and its load, result files (Redis: eaglet.shared.redisserver).
 
-Results go to ``bench/results/cpu-<name>.json`` with the date, the machine, the git revision and the load
+Results go to ``results/cpu-<name>.json`` with the date, the machine, the git revision and the load
 average before and after: on a shared machine a figure means little without the load it was taken under.
 """
 
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "results"
 
 
 def machine() -> dict:

@@ -126,7 +126,7 @@ def main() -> int:
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--eval-max-new-tokens", type=int, default=40)
     p.add_argument("--keep", type=Path, default=ROOT / "var" / "drafters", help="the drafters are copied here")
-    p.add_argument("--result", default="gemma3", help="results to bench/results/cpu-RESULT.json")
+    p.add_argument("--result", default="gemma3", help="results to results/cpu-RESULT.json")
     args = p.parse_args()
     load_before = load()
     args.keep.mkdir(parents=True, exist_ok=True)

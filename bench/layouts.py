@@ -83,7 +83,7 @@ def main() -> int:
     p.add_argument("--seeds", default="0,1", help="trainer seeds; every seed trains every layout")
     p.add_argument("--eval-prompts", type=int, default=10)
     p.add_argument("--max-steps", type=int, default=0, help="cap the training steps (0: the recipe's epochs)")
-    p.add_argument("--result", default="layouts", help="results to bench/results/cpu-RESULT.json")
+    p.add_argument("--result", default="layouts", help="results to results/cpu-RESULT.json")
     args = p.parse_args()
     layouts, seeds = parse_layouts(args.layouts), [int(s) for s in args.seeds.split(",")]
     load_before = load()

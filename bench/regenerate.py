@@ -84,7 +84,7 @@ def main() -> int:
     p.add_argument("--batch-prompts", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--result", default="regenerate", help="results to bench/results/cpu-RESULT.json")
+    p.add_argument("--result", default="regenerate", help="results to results/cpu-RESULT.json")
     args = p.parse_args()
     before = load()
     folder = Path(tempfile.mkdtemp(prefix="eaglet-bench-regen-"))

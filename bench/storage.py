@@ -155,7 +155,7 @@ def main() -> int:
         default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
         help="where the dumps lie, as the servers' shared-memory dump dir (default: /dev/shm)",
     )
-    p.add_argument("--result", help="results to bench/results/cpu-RESULT.json (default: storage-h<hidden>)")
+    p.add_argument("--result", help="results to results/cpu-RESULT.json (default: storage-h<hidden>)")
     args = p.parse_args()
     torch.set_num_threads(1)  # as an extractor worker: one thread a process, workers scale by process
     load_before = load()

@@ -102,7 +102,7 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine")
-    p.add_argument("--result", default="vllm", help="results to bench/results/cpu-RESULT.json")
+    p.add_argument("--result", default="vllm", help="results to results/cpu-RESULT.json")
     args = p.parse_args()
     if args.child:
         spec_path, out_path = args.child

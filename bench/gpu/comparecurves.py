@@ -9,7 +9,7 @@ printed), 2 when the records do not compare (other steps, shapes or seeds).
 The tolerance: in bf16 on a GPU, kernels that sum in another order (compiled against eager) differ by a few ulps
 of bf16 (0.4 % each) in a step's activations, and the updates carry the differences into the later steps; the
 default (``--rtol 0.02``) is an allowance for that, not yet measured: the first GPU records set it. In float32 on
-the CPU (``bench/results/cpu-losscurve-*.json``) compiled and eager agree to 1e-5.
+the CPU (``results/cpu-losscurve-*.json``) compiled and eager agree to 1e-5.
 """
 
 import argparse

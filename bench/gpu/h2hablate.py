@@ -117,7 +117,7 @@ def ablations() -> dict[str, str]:
 
 
 # The default recipe (lr 1e-3, norm before fc, noise 0.05 on the auxiliary states: chosen from the 2026-12-02
-# table, bench/results/gpu-headtohead.md), the one it replaced, each of its three changes taken back one at a time,
+# table, results/gpu-headtohead.md), the one it replaced, each of its three changes taken back one at a time,
 # and the levers not in it
 DEFAULT_ABLATIONS = (
     "base=;fp8=;was=--lr 1e-4 --no-norm-before-fc --aux-noise 0;lr3=--lr 3e-4;nonorm=--no-norm-before-fc;"
@@ -328,9 +328,9 @@ def evaluated(recipe: dict) -> bool:
 
 def phase_gate() -> None:
     """The release gate: eaglet's default recipe as this call's h2h-eval measured it, per position, against the
-    committed SpecForge figures (bench/results/gpu-headtohead.json): ratio >= 1.05 on every prompt set passes."""
+    committed SpecForge figures (results/gpu-headtohead.json): ratio >= 1.05 on every prompt set passes."""
     R = P.RESULTS.setdefault("h2h-gate", {})
-    committed = json.loads((P.REPO / "bench" / "results" / "gpu-headtohead.json").read_text())
+    committed = json.loads((P.REPO / "results" / "gpu-headtohead.json").read_text())
     ev = P.RESULTS.get("h2h-eval", {})
     chain = str(h2h.CHAINS[0])
     rows = []

@@ -43,7 +43,7 @@ CHECKPOINT_EVERY = int(os.environ.get("DFL_CHECKPOINT_EVERY", "200"))
 SERVED_TARGETS = [x.strip() for x in os.environ.get("DFL_SERVED_TARGETS", "bf16,fp8").split(",") if x.strip()]
 SPECFORGE_SAVES = 6  # SpecForge's checkpoints over its run
 EVAL_MEM = 0.12  # --mem-fraction-static of each drafter's server: several share the GPU (as h2h-ablate-eval's)
-EAGLE3_COMMITTED = P.REPO / "bench" / "results" / "gpu-headtohead-2026-12-04" / "gpu-headtohead.json"
+EAGLE3_COMMITTED = P.REPO / "results" / "gpu-headtohead-2026-12-04" / "gpu-headtohead.json"
 
 
 def drafter_name(lr: str) -> str:

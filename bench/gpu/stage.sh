@@ -62,7 +62,7 @@ DEPS="transformers==5.12.1 tokenizers==0.22.2 xgrammar==0.2.1 apache-tvm-ffi==0.
 dl "$WORK/dl" $DEPS
 # 3. eaglet's own needs beyond the image (versions as pinned in pyproject.toml, else those eaglet's tests run
 #    with). tests/bench/test_gpu_staging.py checks that every third-party module eaglet's GPU runs import is staged
-#    here or named in the image's package lists (bench/results/gpu-machine-*.txt; the full list of 2026-12-01 has
+#    here or named in the image's package lists (results/gpu-machine-*.txt; the full list of 2026-12-01 has
 #    protobuf 7.36.2, tensorboardX's need, and jinja2). tensorboardX: the trainer's curves.
 mkdir -p "$STAGE/p1/eaglet"
 dl "$STAGE/p1/eaglet" redis==8.1.0 hiredis==3.5.0 rq==3.0.0 croniter==7.0.0 pydantic-settings==2.16.3 python-dotenv==1.2.4

@@ -5,7 +5,7 @@ run time and neither provides stops the run at import. This walks eaglet's modul
 entry points (``ENTRY_MODULES`` and the SGLang plugin package), following eaglet's own imports transitively, at
 module level and inside functions (a lazy import runs too), and collects the third-party modules they import. Each is
 mapped to its distribution (this environment's ``importlib.metadata``) and checked against what the machine is given:
-the distributions ``stage.sh`` downloads, those the image's package lists in ``bench/results/`` name, and the image's
+the distributions ``stage.sh`` downloads, those the image's package lists in ``results/`` name, and the image's
 torch.
 
     python -m bench.gpu.staging      # from the repo root: prints what is missing, exits 1 if anything is
@@ -245,7 +245,7 @@ def listed_distributions(paths: Iterable[Path]) -> set[str]:
 
 def provided_distributions(repo: Path = REPO) -> set[str]:
     """What the GPU machine has: stage.sh's downloads, SGLang's stack, the image's lists and its torch."""
-    results = repo / "bench" / "results"
+    results = repo / "results"
     lists = sorted({*results.glob("gpu-machine-*.txt"), *results.glob("gpu-machine-packages*.txt")})
     return (
         stage_distributions(repo / "bench" / "gpu" / "stage.sh")

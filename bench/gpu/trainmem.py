@@ -9,7 +9,7 @@ shape written in the drafter's symbols: T tokens, H hidden, I intermediate, Vd d
 single allocations, and the memory rule's estimate (the trainer's memory.py) beside it. The step is the
 trainer's own objective and optimizer: forward, backward, gradient clipping and the optimizer's step, one packed
 row of T tokens, every position a loss position (the rule's worst case), the next batch already on the device
-(the trainer copies it during the step). Results: --out (default bench/results/cpu-trainmem.json).
+(the trainer copies it during the step). Results: --out (default results/cpu-trainmem.json).
 
 What it does not see: the CUDA caching allocator's rounding and fragmentation (the rule's margin covers them),
 the compiled kernels' own scratch memory, and NCCL's buffers across processes.
@@ -211,7 +211,7 @@ def main() -> int:
     parser.add_argument("--lengths", default="2048,8192,32768,65536")
     parser.add_argument("--flags", action="append", help="trainer flags of a configuration (repeatable)")
     parser.add_argument("--gpu", action="store_true", help="also run each row's steps on the GPU, for real")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu-trainmem.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "cpu-trainmem.json")
     args = parser.parse_args()
     rows = []
     record: dict = {"command": "bench/gpu/trainmem.py", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,

@@ -92,7 +92,7 @@ class TrainConfig:
     """Peak learning rate, reached after the warmup, then cosine decay. 1e-3 with ``norm_before_fc`` and ``aux_noise``
     is the default recipe: on the head-to-head's data (SmolLM2-135M, 2 epochs, one H200) it accepts 1.18x
     (HumanEval) and 1.24x (held-out prompts) the length of the drafter trained at 1e-4, SpecForge's default
-    (bench/results/gpu-headtohead.md, the recipes' table)."""
+    (results/gpu-headtohead.md, the recipes' table)."""
     optimizer: Optimizer = "adamw"
     """adamw | muon: Muon for the drafter's matrices (fc, its layer's projections), AdamW for the LM head and the
     norms, the Muon update scaled to AdamW's RMS so the same learning rate serves (vLLM speculators' default)."""

@@ -1,5 +1,5 @@
 """The GPU machine is given every third-party module eaglet's GPU runs import: staged by bench/gpu/stage.sh or in
-the image (its package lists in bench/results/). A module neither provides stops a GPU run at import."""
+the image (its package lists in results/). A module neither provides stops a GPU run at import."""
 
 import textwrap
 
