@@ -14,8 +14,8 @@ DFLASH worker, beside the target alone, in one call sequence (bench/gpu/README.m
   dfl-served   the product's served stage (``eaglet eval --engine sglang``) on eaglet's drafter, the bf16 target then
                an fp8 one: the run's record, served beside predicted, and its status lines.
   dfl-report   $OUT/dflash.json: ``rows`` of {method, trainer, prompt_set, accept_length, tokens_per_s}, this call's
-               target alone beside them, and eaglet's EAGLE-3 default at (3, 1, 4) as the committed 2026-12-04 run
-               measured it (labelled: another day's call).
+               target alone beside them, and EAGLE-3 at (3, 1, 4): eaglet's and SpecForge's as this sequence's
+               h2h-eval served them, else eaglet's default as the committed 2026-12-04 run served it (labelled).
 """
 
 import json
@@ -43,7 +43,9 @@ CHECKPOINT_EVERY = int(os.environ.get("DFL_CHECKPOINT_EVERY", "200"))
 SERVED_TARGETS = [x.strip() for x in os.environ.get("DFL_SERVED_TARGETS", "bf16,fp8").split(",") if x.strip()]
 SPECFORGE_SAVES = 6  # SpecForge's checkpoints over its run
 EVAL_MEM = 0.12  # --mem-fraction-static of each drafter's server: several share the GPU (as h2h-ablate-eval's)
-EAGLE3_COMMITTED = P.REPO / "results" / "gpu-headtohead-2026-12-04" / "gpu-headtohead.json"
+# eaglet's EAGLE-3 default at (3, 1, 4) on the kept data, served by SGLang 0.5.17 (one H200, 2026-12-04): the recipes'
+# run's `base` row
+EAGLE3_COMMITTED = P.REPO / "results" / "gpu-storage-modes-2026-12-04" / "h2h-ablations.json"
 
 
 def drafter_name(lr: str) -> str:
@@ -318,8 +320,8 @@ def rows() -> list[dict]:
 
 def eagle3_rows() -> list[dict]:
     """EAGLE-3 at (3, 1, 4) beside DFlash: eaglet's and SpecForge's drafters as this call sequence's h2h-eval served
-    them (h2h-eaglet, h2h-specforge at H2H_SPECFORGE_LR), else eaglet's as the committed 2026-12-04 run measured it
-    (labelled: another day's call)."""
+    them (h2h-eaglet, h2h-specforge at H2H_SPECFORGE_LR), else eaglet's default as the committed 2026-12-04 run served
+    it (labelled: another day's call)."""
     chain, ev = str((3, 1, 4)), P.RESULTS.get("h2h-eval", {})
     lr = P.RESULTS.get("h2h-specforge", {}).get("lr")
     out = [{"method": "eagle3 (3, 1, 4)", "trainer": trainer, "prompt_set": pset,
@@ -331,13 +333,11 @@ def eagle3_rows() -> list[dict]:
     if out:
         return out
     if EAGLE3_COMMITTED.exists():
-        for r in json.loads(EAGLE3_COMMITTED.read_text()).get("rows", []):
-            if r.get("chain") == "(3, 1, 4)":
-                out.append({"method": "eagle3 (3, 1, 4)", "trainer": "eaglet", "prompt_set": r["prompt_set"],
-                            "accept_length": r["eaglet"]["accept_length"],
-                            "tokens_per_s": r["eaglet"]["output_tokens_per_s"],
-                            "call": "2026-12-04 (another call: its target alone ran at "
-                                    f"{r['baseline_tokens_per_s']} tokens/s)"})  # fmt: skip
+        served = json.loads(EAGLE3_COMMITTED.read_text())["base"]["eval"]
+        out = [{"method": "eagle3 (3, 1, 4)", "trainer": "eaglet", "prompt_set": pset,
+                "accept_length": served[pset]["accept_length"], "tokens_per_s": served[pset]["output_tokens_per_s"],
+                "call": "2026-12-04 (another call and machine: one H200)"}
+               for pset in ("humaneval", "heldout")]  # fmt: skip
     return out
 
 

@@ -237,7 +237,8 @@ def test_the_dflash_report_sets_eagle3_of_this_sequence_beside_it_else_the_commi
     P = load_phases(tmp_path, monkeypatch)
     _, D = load_h2h("h2hdflash")
     committed = D.eagle3_rows()  # no h2h-eval in this sequence: the committed 2026-12-04 figures, labelled
-    assert committed and all(r["trainer"] == "eaglet" and r["call"].startswith("2026-12-04") for r in committed)
+    assert [(r["prompt_set"], r["accept_length"]) for r in committed] == [("humaneval", 1.5784), ("heldout", 1.8473)]
+    assert all(r["trainer"] == "eaglet" and r["call"].startswith("2026-12-04") for r in committed)
     served = {"humaneval": {"accept_length": 1.6, "output_tokens_per_s": 900.0}, "heldout": {"error": "boom"}}
     P.RESULTS["h2h-eval"] = {"eaglet": {"(3, 1, 4)": served}, "specforge": {"(3, 1, 4)": served, "(5, 1, 6)": served}}
     P.RESULTS["h2h-specforge"] = {"lr": 1e-3}
