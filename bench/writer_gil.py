@@ -1,7 +1,8 @@
 """Does the server's dump writer take the scheduler's time? A Python loop (the scheduler thread's stand-in: pure
 interpreter work) timed alone and beside ``--threads`` writer threads writing dumps as the plugin's writer does
 (``write_dump_parts`` into shared memory), alternating, ``--rounds`` times: its rate beside the writers over its rate
-alone. 1.0: the writers release the GIL while they write.
+alone (1.0: the writers release the GIL while they write); and the other way, the writers' dumps a second beside the
+loop over theirs alone (the GIL handed back to a writer only at the interpreter's switch interval).
 
     python -m bench.writer_gil                                   # the 8B shape's fp4-alone dump (31 MB)
     python -m bench.writer_gil --tokens 356 --hidden 576 --threads 4
@@ -53,26 +54,34 @@ def main() -> int:
             path.unlink()
             k, written[0] = k + 1, written[0] + 1
 
-    rounds = []
-    for _ in range(args.rounds):
-        alone = loop_rate(args.seconds)
+    def writers_for(seconds: float, during=time.sleep):
+        """Runs the writer threads while ``during(seconds)`` runs here; returns (its result, dumps a second)."""
         stop.clear()
         threads = [threading.Thread(target=writer, args=(i,)) for i in range(args.threads)]
         for t in threads:
             t.start()
         before = written[0]
-        beside = loop_rate(args.seconds)
+        result = during(seconds)
         dumps = written[0] - before
         stop.set()
         for t in threads:
             t.join()
+        return result, dumps / seconds
+
+    rounds = []
+    for _ in range(args.rounds):
+        alone = loop_rate(args.seconds)
+        beside, dumps = writers_for(args.seconds, loop_rate)
+        _, dumps_alone = writers_for(args.seconds)
         rounds.append({"alone": round(alone), "beside_writers": round(beside), "ratio": round(beside / alone, 3),
-                       "dumps_per_s": round(dumps / args.seconds, 1)})  # fmt: skip
+                       "dumps_per_s": round(dumps, 1), "dumps_per_s_alone": round(dumps_alone, 1),
+                       "writers_ratio": round(dumps / dumps_alone, 3)})  # fmt: skip
     folder.rmdir()
     ratios = [r["ratio"] for r in rounds]
     figures = {"tokens": args.tokens, "hidden": args.hidden, "threads": args.threads,
                "dump_bytes": sum(t.nbytes for t in parts.values()), "rounds": rounds,
-               "ratio_median": statistics.median(ratios), "ratio_spread": [min(ratios), max(ratios)]}  # fmt: skip
+               "ratio_median": statistics.median(ratios), "ratio_spread": [min(ratios), max(ratios)],
+               "writers_ratio_median": statistics.median(r["writers_ratio"] for r in rounds)}  # fmt: skip
     print(figures)
     print(save_result(args.result, "python -m bench.writer_gil " + " ".join(
         f"--{k} {v}" for k, v in vars(args).items() if k != "result"), figures, load_before))  # fmt: skip
