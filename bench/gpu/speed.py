@@ -79,19 +79,28 @@ def phase_fp8speed8b() -> None:
 
 
 def pipeline_reps(
-    phase: str, store: str, model: Path, n: int, reps: int = H.L8B_REPS, store_options: dict | None = None
+    phase: str,
+    store: str,
+    model: Path,
+    n: int,
+    reps: int = H.L8B_REPS,
+    store_options: dict | None = None,
+    server: tuple[str, int] | None = None,
 ) -> None:
-    """``reps`` pipeline runs of ``n`` 2,048-token samples on one plugin server, each after a probe of the disk
-    (its ceiling then), with the scheduler's memory sampled throughout; added to the phase's list."""
+    """``reps`` pipeline runs of ``n`` 2,048-token samples on one plugin server (``server``: the name and port of one
+    already up; else ``plugin_server``'s), each after a probe of the disk (its ceiling then), with the scheduler's
+    memory sampled throughout; added to the phase's list."""
     R = H.RESULTS[phase]
-    plugin_server(model)
+    if server is None:
+        plugin_server(model)
+    name, port = server or ("s8b-plugin", H.SGL_PORT)
     R.setdefault("pipeline", [])
     for rep in range(len(R["pipeline"]), len(R["pipeline"]) + reps):
         ds = H.ROOT / f"l8b-{rep}.jsonl"
         H.pretokenized(ds, [H.L8B_LENGTH] * n, 49152, seed=20 + rep)
         disk = H.disk_probe()
-        with H.MemorySampler(H.PROCS["s8b-plugin"].pid) as memory:
-            out = H.pipeline(f"{phase}-{rep}-{int(time.time())}", model, ds, H.SGL_PORT, H.L8B_CONCURRENCY, 8192,
+        with H.MemorySampler(H.PROCS[name].pid) as memory:
+            out = H.pipeline(f"{phase}-{rep}-{int(time.time())}", model, ds, port, H.L8B_CONCURRENCY, 8192,
                            timeout=400, store=store, sink=True, store_options=store_options)  # fmt: skip
         out["server_memory"], out["disk"], out["call"] = memory.result(), disk, H.T0
         counts = out.get("counts") or {}
@@ -100,7 +109,7 @@ def pipeline_reps(
         R["pipeline"].append(out)
         H.log(f"{phase} pipeline {rep}: {out['tokens_per_s']} tok/s, memory {out['server_memory']}")
         H.save(phase)
-    R["plugin_log"] = extraction.plugin_lines("s8b-plugin")
+    R["plugin_log"] = extraction.plugin_lines(name)
 
 
 def phase_layoutspeed8b() -> None:
@@ -172,21 +181,14 @@ def phase_stream8b() -> None:
     R["side_encoders_vs_cpu"] = layout_bits_check(l8b_prompts(8, 98), DEFAULT_TOPK, model, ports["side"])
     H.save("stream8b")
     n, longest = int(os.environ.get("NPIPE8B", "1200")), 0.0
-    R.setdefault("pipeline", [])
-    for pair in range(int(os.environ.get("STREAM_PAIRS", "2"))):
+    for _ in range(int(os.environ.get("STREAM_PAIRS", "2"))):
         for stream, port in ports.items():
             if not fits(R, longest):
                 break
             t = time.time()
-            ds = H.ROOT / f"stream8b-{pair}.jsonl"  # the pair's two runs on the same samples
-            H.pretokenized(ds, [H.L8B_LENGTH] * n, 49152, seed=40 + pair)
-            with H.MemorySampler(H.PROCS[f"s8b-{stream}"].pid) as memory:
-                out = H.pipeline(f"stream8b-{stream}-{pair}-{int(t)}", model, ds, port, H.L8B_CONCURRENCY, 8192,
-                                 timeout=400, sink=True, store_options={})  # fmt: skip
-            R["pipeline"].append({**out, "capture_stream": stream, "server_memory": memory.result(), "call": H.T0})
+            pipeline_reps("stream8b", "bf16", model, n, 1, {}, server=(f"s8b-{stream}", port))
+            R["pipeline"][-1]["capture_stream"] = stream
             longest = max(longest, time.time() - t)
-            H.log(f"stream8b {stream} pair {pair}: {out['tokens_per_s']} tok/s")
-            H.save("stream8b")
     by = {s: [r["tokens_per_s"] for r in R["pipeline"] if r["capture_stream"] == s] for s in ports}
     R["side_over_forward"] = [round(b / a, 4) for a, b in zip(by["forward"], by["side"], strict=False) if a and b]
     R["plugin_log"] = {stream: extraction.plugin_lines(f"s8b-{stream}") for stream in ports}
