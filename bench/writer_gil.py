@@ -6,10 +6,15 @@ loop over theirs alone (the GIL handed back to a writer only at the interpreter'
 
     python -m bench.writer_gil                                   # the 8B shape's fp4-alone dump (31 MB)
     python -m bench.writer_gil --tokens 356 --hidden 576 --threads 4
+    python -m bench.writer_gil --tokens 356 --hidden 576 --threads 4 --switch-interval 0.0005
+
+``--switch-interval`` sets the interpreter's (``sys.setswitchinterval``, 5 ms by default): how long a writer that
+finished a write waits for a busy thread to hand the GIL back.
 """
 
 import argparse
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -37,8 +42,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="writer threads (the plugin's default is 4)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=2.0, help="each timing of the loop")
+    p.add_argument("--switch-interval", type=float, default=sys.getswitchinterval(), help="seconds")
     p.add_argument("--result", default="writer-gil")
     args = p.parse_args()
+    sys.setswitchinterval(args.switch_interval)
     load_before = load()
     final, aux = torch.randn(args.tokens, args.hidden).bfloat16(), torch.randn(args.tokens, 3 * args.hidden).bfloat16()
     forms = encode_forms(final, aux, [{"aux_e2m1": "aux_e2m1", "aux_block_scale": "aux_block_scale"}])
@@ -79,7 +86,8 @@ def main() -> int:
     folder.rmdir()
     ratios = [r["ratio"] for r in rounds]
     figures = {"tokens": args.tokens, "hidden": args.hidden, "threads": args.threads,
-               "dump_bytes": sum(t.nbytes for t in parts.values()), "rounds": rounds,
+               "switch_interval_s": args.switch_interval, "dump_bytes": sum(t.nbytes for t in parts.values()),
+               "rounds": rounds,
                "ratio_median": statistics.median(ratios), "ratio_spread": [min(ratios), max(ratios)],
                "writers_ratio_median": statistics.median(r["writers_ratio"] for r in rounds)}  # fmt: skip
     print(figures)
