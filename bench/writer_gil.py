@@ -82,14 +82,18 @@ def main() -> int:
         _, dumps_alone = writers_for(args.seconds)
         rounds.append({"alone": round(alone), "beside_writers": round(beside), "ratio": round(beside / alone, 3),
                        "dumps_per_s": round(dumps, 1), "dumps_per_s_alone": round(dumps_alone, 1),
-                       "writers_ratio": round(dumps / dumps_alone, 3)})  # fmt: skip
+                       "writers_ratio": round(dumps / dumps_alone, 3),
+                       # the loop's time lost a dump written beside it: what a dump costs the scheduler thread
+                       "loop_ms_lost_per_dump": round(1e3 * (1 - beside / alone) / max(dumps, 1e-9), 3)})  # fmt: skip
     folder.rmdir()
     ratios = [r["ratio"] for r in rounds]
     figures = {"tokens": args.tokens, "hidden": args.hidden, "threads": args.threads,
                "switch_interval_s": args.switch_interval, "dump_bytes": sum(t.nbytes for t in parts.values()),
                "rounds": rounds,
                "ratio_median": statistics.median(ratios), "ratio_spread": [min(ratios), max(ratios)],
-               "writers_ratio_median": statistics.median(r["writers_ratio"] for r in rounds)}  # fmt: skip
+               "writers_ratio_median": statistics.median(r["writers_ratio"] for r in rounds),
+               "loop_ms_lost_per_dump_median": statistics.median(r["loop_ms_lost_per_dump"] for r in rounds),
+               }  # fmt: skip
     print(figures)
     print(save_result(args.result, "python -m bench.writer_gil " + " ".join(
         f"--{k} {v}" for k, v in vars(args).items() if k != "result"), figures, load_before))  # fmt: skip

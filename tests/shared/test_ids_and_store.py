@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,6 +44,19 @@ def test_dump_round_trip_and_validation(tmp_path):
     bad = read_dump(write_dump(tmp_path, "eaglet:r:s:3", h, aux, aux_layer_ids=[2, 3, 4], model="m"))
     with pytest.raises(DumpInvalid, match="NaN/Inf .* token 2"):
         validate_dump(bad, rid="eaglet:r:s:3", num_tokens=5, hidden_size=8)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_dumps_are_readable_by_other_users(tmp_path, umask):
+    # The server and the extractor may run as different users, and safetensors creates files 0o600: the chmod of
+    # each dump must stay. A process of its own, so that the umask set is not this one's.
+    code = (
+        f"import os, torch; os.umask({umask}); from eaglet.shared.dumpfile import write_dump; "
+        f"print(write_dump({str(tmp_path)!r}, 'eaglet:r:s:1', torch.zeros(2, 4), torch.zeros(2, 12), "
+        "aux_layer_ids=[1, 2, 3], model='m'))"
+    )
+    path = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    assert os.stat(path).st_mode & 0o777 == 0o644
 
 
 def test_dump_of_any_number_of_layers(tmp_path):
