@@ -95,8 +95,8 @@ def main() -> int:
                "loop_ms_lost_per_dump_median": statistics.median(r["loop_ms_lost_per_dump"] for r in rounds),
                }  # fmt: skip
     print(figures)
-    print(save_result(args.result, "python -m bench.writer_gil " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items() if k != "result"), figures, load_before))  # fmt: skip
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "result")
+    print(save_result(args.result, f"python -m bench.writer_gil {flags}", figures, load_before))
     return 0
 
 
