@@ -317,8 +317,8 @@ def write_dump_parts(
         metadata["aux_storage"] = FP4_STORAGE
     final = dump_path(dump_dir, rid)
     tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    # No system call a dump can do without: the writer threads share the scheduler's interpreter, and each call
-    # hands it over and back (bench/writer_gil.py), so the temp file is removed only when the write failed.
+    # Only the system calls a dump needs: the writer threads share the scheduler's interpreter and each call hands
+    # it over and back (bench/writer_gil.py), so the temp file is removed only when the write failed.
     try:
         save_file(tensors, str(tmp), metadata=metadata)
         os.chmod(tmp, 0o644)  # safetensors creates it 0o600; the reader may be another user (the extractor's)
